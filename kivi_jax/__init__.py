@@ -1,0 +1,66 @@
+"""kivi_jax: Llama / Mistral inference in JAX with a KIVI-quantized KV cache (2/4-bit keys and values)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kivi_jax.cache import CacheCapacityError, FullCache, KIVICache, make_cache
+from kivi_jax.checkpoint import CheckpointError, convert, restore, save
+from kivi_jax.config import KIVIConfig, parse_cache_spec
+from kivi_jax.generate import Generation, Model, Sampling, generate, stream
+from kivi_jax.hub import MODELS, ModelNotAvailableError
+from models.config import LlamaConfig, UnsupportedModelError
+from models.llama import Params, forward
+
+__version__ = "0.1.0"
+
+
+def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True) -> Model:
+    """Loads a model: a known name (`smollm2`, fetched and converted once, then cached), an HF directory, a `.gguf`
+    file or a kivi_jax checkpoint directory. Returns `Model(params, config, tokenizer)`; `dtype` casts the weights
+    (the compute dtype: float32 on CPU, bfloat16 on GPU)."""
+    from kivi_jax import checkpoint, hub
+
+    if name_or_path in hub.MODELS:
+        path = hub.ensure_checkpoint(name_or_path, progress=progress)
+        try:
+            params = checkpoint.restore(path, dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}. The cached model is damaged: delete {hub.model_dir(name_or_path)} and "
+                                  "run again to rebuild it") from e
+        return Model(params, params.config, checkpoint.load_tokenizer(path))
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"unknown model {name_or_path!r}: not a known name ({', '.join(hub.MODELS)}) and no such file or "
+            "directory; give a known name, an HF model directory, a .gguf file or a kivi_jax checkpoint"
+        )
+    params, tokenizer = checkpoint.load_any(path, dtype, progress)
+    return Model(params, params.config, tokenizer)
+
+
+__all__ = [
+    "CacheCapacityError",
+    "CheckpointError",
+    "FullCache",
+    "Generation",
+    "KIVICache",
+    "KIVIConfig",
+    "LlamaConfig",
+    "MODELS",
+    "Model",
+    "ModelNotAvailableError",
+    "Params",
+    "Sampling",
+    "UnsupportedModelError",
+    "__version__",
+    "convert",
+    "forward",
+    "generate",
+    "load",
+    "make_cache",
+    "parse_cache_spec",
+    "restore",
+    "save",
+    "stream",
+]

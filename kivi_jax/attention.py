@@ -1,0 +1,279 @@
+"""Decode attention over a cache: the blockwise XLA path (online softmax over token blocks).
+
+Every function here answers one new query token per sequence against what the cache holds plus the token's own key and
+value, which the caller passes in full precision. Shapes: q `[batch, kv_heads, n_rep, head_dim]` (GQA: query head
+`h * n_rep + r` reads kv head `h`), per-layer cache tensors `[batch, kv_heads, tokens, ...]`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+BLOCK_TOKENS = 512  # tokens per block of the XLA path's loop
+
+
+class Softmax(NamedTuple):
+    """Online-softmax state for `[batch, kv_heads, n_rep]` query rows."""
+
+    m: jax.Array  # [batch, kv_heads, n_rep] running max (-inf before any score)
+    l: jax.Array  # [batch, kv_heads, n_rep] running sum of exp(score - m)
+    acc: jax.Array  # [batch, kv_heads, n_rep, head_dim] running sum of exp(score - m) * value
+
+    @classmethod
+    def empty(cls, q: jax.Array) -> "Softmax":
+        rows = q.shape[:-1]
+        return cls(jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32))
+
+    def update(self, scores: jax.Array, weigh_values: Callable[[jax.Array], jax.Array]) -> "Softmax":
+        """Adds a segment: `scores [..., tokens]` (-inf where masked) and `weigh_values(p) -> [..., head_dim]`."""
+        m_new = jnp.maximum(self.m, jnp.max(scores, axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # all masked so far: nothing to rescale
+        alpha = jnp.exp(self.m - m_safe)
+        p = jnp.exp(scores - m_safe[..., None])
+        l = self.l * alpha + jnp.sum(p, axis=-1)
+        acc = self.acc * alpha[..., None] + weigh_values(p)
+        return Softmax(m_new, l, acc)
+
+    def result(self) -> jax.Array:
+        return self.acc / self.l[..., None]
+
+
+def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """`[batch, 1, q_heads, head_dim]` -> float32 `[batch, kv_heads, n_rep, head_dim]`, scaled by 1/sqrt(head_dim)."""
+    batch, _, q_heads, head_dim = q.shape
+    return (q[:, 0].astype(jnp.float32) * head_dim**-0.5).reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+
+
+def ungroup(out: jax.Array, dtype) -> jax.Array:
+    """`[batch, kv_heads, n_rep, head_dim]` -> `[batch, 1, q_heads, head_dim]` in `dtype`."""
+    batch, kv_heads, n_rep, head_dim = out.shape
+    return out.reshape(batch, 1, kv_heads * n_rep, head_dim).astype(dtype)
+
+
+def token_mask(pos: jax.Array, end: jax.Array, query_pos: jax.Array, window: int | None, begin=None) -> jax.Array:
+    """`[batch, tokens]`: token positions `pos [tokens]` that are in `[begin, end)` and inside the sliding window."""
+    valid = pos[None, :] < end[:, None]
+    if begin is not None:
+        valid &= pos[None, :] >= begin[:, None]
+    if window is not None:
+        valid &= query_pos[:, None] - pos[None, :] < window
+    return valid
+
+
+def masked(scores: jax.Array, valid: jax.Array) -> jax.Array:
+    """Scores `[batch, kv_heads, n_rep, tokens]` with invalid tokens `[batch, tokens]` set to -inf."""
+    return jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+
+
+def blockwise(
+    state: Softmax,
+    num_tokens: int,
+    block: int,
+    end: jax.Array,
+    step: Callable[[Softmax, jax.Array, jax.Array], Softmax],
+) -> Softmax:
+    """Runs `step(state, start, first_new)` over `block`-token blocks covering `[0, max(end))` of `num_tokens`.
+
+    The last block may start early (so it fits): `first_new` is the first position the block owns; positions below it
+    were already counted and must be masked.
+    """
+    block = min(block, num_tokens)
+    n_blocks = (jnp.max(end) + block - 1) // block
+
+    def body(i, state):
+        first_new = i * block
+        start = jnp.minimum(first_new, num_tokens - block)
+        return step(state, start, first_new)
+
+    return jax.lax.fori_loop(0, n_blocks, body, state)
+
+
+def add_new_token(state: Softmax, q: jax.Array, k_new: jax.Array, v_new: jax.Array) -> Softmax:
+    """Adds the query token's own key and value `[batch, 1, kv_heads, head_dim]` (always visible, full precision)."""
+    k = k_new[:, 0].astype(jnp.float32)  # [batch, kv_heads, head_dim]
+    v = v_new[:, 0].astype(jnp.float32)
+    scores = jnp.einsum("bhrd,bhd->bhr", q, k)[..., None]
+    return state.update(scores, lambda p: p * v[:, :, None, :])
+
+
+def decode_full_xla(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    length: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    window: int | None,
+    block: int = BLOCK_TOKENS,
+) -> jax.Array:
+    """Decode attention over a full-precision layer cache `[batch, kv_heads, tokens, head_dim]`.
+
+    q `[batch, 1, q_heads, head_dim]`; the cache holds `length [batch]` tokens; k_new/v_new `[batch, 1, kv_heads,
+    head_dim]` belong to position `length`. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
+    """
+    batch, kv_heads, num_tokens, head_dim = k_cache.shape
+    qg = group_queries(q, kv_heads)  # [batch, kv_heads, n_rep, head_dim]
+    block = min(block, num_tokens)
+
+    def step(state: Softmax, start, first_new) -> Softmax:
+        kb = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=2)  # [batch, kv_heads, block, head_dim]
+        vb = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
+        pos = start + jnp.arange(block)
+        valid = token_mask(pos, length, length, window, begin=jnp.full_like(length, first_new))
+        scores = masked(jnp.einsum("bhrd,bhtd->bhrt", qg, kb, preferred_element_type=jnp.float32), valid)
+        return state.update(
+            scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        )
+
+    state = blockwise(Softmax.empty(qg), num_tokens, block, length, step)
+    state = add_new_token(state, qg, k_new, v_new)
+    return ungroup(state.result(), q.dtype)
+
+
+def use_pallas(impl: str) -> bool:
+    """`auto` takes the Pallas kernel on a GPU backend and the XLA path elsewhere."""
+    if impl == "auto":
+        return jax.default_backend() == "gpu"
+    return impl == "pallas"
+
+
+def decode_full(impl: str, q, k_cache, v_cache, length, k_new, v_new, window):
+    """Decode attention over a full-precision layer cache with the chosen implementation."""
+    if use_pallas(impl):
+        from pallas_kernels import full_decode
+
+        return full_decode.decode(q, k_cache, v_cache, length, k_new, v_new, window)
+    return decode_full_xla(q, k_cache, v_cache, length, k_new, v_new, window)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KIVI: scores and weighted values straight from codes, with scales and mins folded in (never a dequantized cache)
+
+
+def _unpacked(store) -> jax.Array:
+    """float32 codes `[batch, kv_heads, tokens, head_dim]` of a (block of a) one-layer store."""
+    from kivi_jax.quant import unpack
+
+    return unpack(store.codes, store.bits).astype(jnp.float32)
+
+
+def quantized_scores(q: jax.Array, store) -> jax.Array:
+    """q `[batch, kv_heads, n_rep, head_dim]` against the keys of a store block -> `[batch, kv_heads, n_rep, tokens]`."""
+    codes = _unpacked(store)
+    batch, kv_heads, tokens, head_dim = codes.shape
+    g = store.group_size
+    scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
+    if store.axis == "channel":  # scale, mn [batch, kv_heads, tokens // G, head_dim]: fold the scale into q
+        q_scaled = q[:, :, :, None, :] * scale[:, :, None]  # [batch, kv_heads, n_rep, groups, head_dim]
+        grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
+        scores = jnp.einsum("bhrgd,bhgtd->bhrgt", q_scaled, grouped)
+        bias = jnp.einsum("bhrd,bhgd->bhrg", q, mn)
+        return (scores + bias[..., None]).reshape(q.shape[:3] + (tokens,))
+    # per-token: scale, mn [batch, kv_heads, tokens, head_dim // G]: scale the per-group partial dots
+    qg = q.reshape(q.shape[:3] + (head_dim // g, g))  # [batch, kv_heads, n_rep, groups, G]
+    grouped = codes.reshape(batch, kv_heads, tokens, head_dim // g, g)
+    partial = jnp.einsum("bhrgc,bhtgc->bhrtg", qg, grouped)
+    return jnp.einsum("bhrtg,bhtg->bhrt", partial, scale) + jnp.einsum("bhrg,bhtg->bhrt", qg.sum(-1), mn)
+
+
+def quantized_values(p: jax.Array, store) -> jax.Array:
+    """Probabilities `[batch, kv_heads, n_rep, tokens]` times a store block's values -> `[batch, kv_heads, n_rep, head_dim]`."""
+    codes = _unpacked(store)
+    batch, kv_heads, tokens, head_dim = codes.shape
+    g = store.group_size
+    scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
+    if store.axis == "token":  # scale, mn [batch, kv_heads, tokens, head_dim // G]: fold the scale into p
+        p_scaled = p[..., None] * scale[:, :, None]  # [batch, kv_heads, n_rep, tokens, groups]
+        grouped = codes.reshape(batch, kv_heads, tokens, head_dim // g, g)
+        acc = jnp.einsum("bhrtg,bhtgc->bhrgc", p_scaled, grouped)
+        acc = acc + jnp.einsum("bhrt,bhtg->bhrg", p, mn)[..., None]
+        return acc.reshape(p.shape[:3] + (head_dim,))
+    # per-channel: scale, mn [batch, kv_heads, tokens // G, head_dim]: scale the per-group partial sums
+    pg = p.reshape(p.shape[:3] + (tokens // g, g))  # [batch, kv_heads, n_rep, groups, G]
+    grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
+    partial = jnp.einsum("bhrgt,bhgtd->bhrgd", pg, grouped)
+    return jnp.einsum("bhrgd,bhgd->bhrd", partial, scale) + jnp.einsum("bhrg,bhgd->bhrd", pg.sum(-1), mn)
+
+
+def window_tensor(store, ring: jax.Array, held: jax.Array, length: jax.Array, residual: int) -> jax.Array:
+    """float32 `[batch, kv_heads, R, head_dim]`: what attention sees for each ring slot's token `held [batch, R]`.
+
+    The ring's own entry, unless the token is already quantized (a per-channel store's last flushed block), in which
+    case its dequantized value: ring slot s and row s of the last R-block hold the same token.
+    """
+    ring = ring.astype(jnp.float32)
+    if store.axis == "token":  # tokens leave the ring exactly when they are quantized
+        return ring
+    end = store.quantized_end(length, residual)  # [batch]
+    start = jnp.maximum(end - residual, 0)
+    block = jax.vmap(lambda s, st: s.token_slice(st, residual).dequantize())(store, start)  # [batch, kv_heads, R, head_dim]
+    return jnp.where((held < end[:, None])[:, None, :, None], block, ring)
+
+
+def decode_kivi_xla(
+    q: jax.Array,
+    k_store,
+    v_store,
+    k_ring: jax.Array,
+    v_ring: jax.Array,
+    length: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    window: int | None,
+    block: int = BLOCK_TOKENS,
+) -> jax.Array:
+    """Decode attention over one layer of a KIVI cache (DESIGN §3), blockwise with an online softmax.
+
+    Three segments: tokens whose key and value are both quantized (walked in blocks, scales folded into q and p);
+    the newest up-to-R tokens (ring, or the last flushed key block); the new token itself (full precision).
+    q `[batch, 1, q_heads, head_dim]`, rings `[batch, kv_heads, R, head_dim]`, k_new/v_new `[batch, 1, kv_heads,
+    head_dim]`. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
+    """
+    batch, kv_heads, num_tokens, _ = k_store.codes.shape
+    residual = k_ring.shape[2]
+    qg = group_queries(q, kv_heads)
+    k_end = k_store.quantized_end(length, residual)
+    v_end = v_store.quantized_end(length, residual)
+    main_end = jnp.minimum(k_end, v_end)  # [batch]
+    block = min(block, num_tokens)
+    block -= block % max(k_store.group_size, 1)
+
+    def step(state: Softmax, start, first_new) -> Softmax:
+        kb = k_store.token_slice(start, block)
+        vb = v_store.token_slice(start, block)
+        pos = start + jnp.arange(block)
+        valid = token_mask(pos, main_end, length, window, begin=jnp.full_like(length, first_new))
+        scores = masked(quantized_scores(qg, kb), valid)
+        return state.update(scores, lambda p: quantized_values(p, vb))
+
+    state = blockwise(Softmax.empty(qg), num_tokens, block, main_end, step)
+
+    held = ring_tokens(length, residual)  # [batch, R]
+    k_win = window_tensor(k_store, k_ring, held, length, residual)
+    v_win = window_tensor(v_store, v_ring, held, length, residual)
+    valid = (held >= main_end[:, None]) & (held >= 0)
+    if window is not None:
+        valid &= length[:, None] - held < window
+    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", qg, k_win), valid)
+    state = state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_win))
+    state = add_new_token(state, qg, k_new, v_new)
+    return ungroup(state.result(), q.dtype)
+
+
+def ring_tokens(length: jax.Array, residual: int) -> jax.Array:
+    """`[batch, R]`: the token each ring slot holds once `length` tokens are in (the newest t < length with
+    t % R == slot); negative where the slot was never written."""
+    last = length[:, None] - 1
+    return last - jnp.mod(last - jnp.arange(residual)[None, :], residual)
+
+
+def decode_kivi(impl: str, q, k_store, v_store, k_ring, v_ring, length, k_new, v_new, window):
+    """Decode attention over one layer of a KIVI cache with the chosen implementation."""
+    if use_pallas(impl):
+        from pallas_kernels import kivi_decode
+
+        return kivi_decode.decode(q, k_store, v_store, k_ring, v_ring, length, k_new, v_new, window)
+    return decode_kivi_xla(q, k_store, v_store, k_ring, v_ring, length, k_new, v_new, window)

@@ -1,0 +1,354 @@
+"""Checkpoints -> `Params`: HF directories (safetensors), GGUF files, and our own orbax directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import LlamaConfig, UnsupportedModelError
+from models.llama import Params, param_shapes, params_from_dict, params_to_dict
+
+FORMAT_FILE = "kivi_jax.json"
+FORMAT_VERSION = 1
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, truncated or of the wrong kind."""
+
+def _progress(total: int, desc: str, show: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not show, leave=False)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Name mapping shared by both source formats: (our name, layer or None, transpose?)
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_HF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": ("attn_norm", False),
+    "attn_q.weight": ("wq", True),
+    "attn_k.weight": ("wk", True),
+    "attn_v.weight": ("wv", True),
+    "attn_output.weight": ("wo", True),
+    "ffn_norm.weight": ("mlp_norm", False),
+    "ffn_gate.weight": ("w_gate", True),
+    "ffn_up.weight": ("w_up", True),
+    "ffn_down.weight": ("w_down", True),
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": ("embed", False),
+    "output_norm.weight": ("final_norm", False),
+    "output.weight": ("lm_head", True),
+}
+
+def _assemble(
+    cfg: LlamaConfig,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    layer_names: dict,
+    global_names: dict,
+    layer_prefix: str,
+    dtype,
+    source: str,
+) -> Params:
+    """Places named `[out, in]` tensors into stacked `Params`, checking that each arrives exactly once."""
+    shapes = param_shapes(cfg)
+    stacked = {k: np.zeros(s, np.float32) for k, s in shapes["layers"].items()}
+    seen_layers = {k: np.zeros(cfg.num_layers, bool) for k in stacked}
+    tree: dict = {}
+    for name, arr in tensors:
+        if name.startswith(layer_prefix):
+            idx, _, rest = name[len(layer_prefix) :].partition(".")
+            if rest not in layer_names:
+                continue  # e.g. rotary inv_freq buffers
+            ours, transpose = layer_names[rest]
+            i = int(idx)
+            if i >= cfg.num_layers:
+                raise CheckpointError(f"{source}: tensor {name} names layer {i}, but the config has {cfg.num_layers}")
+            value = arr.T if transpose else arr
+            if value.shape != stacked[ours].shape[1:]:
+                raise CheckpointError(
+                    f"{source}: {name} has shape {arr.shape}, expected {stacked[ours].shape[1:][::-1] if transpose else stacked[ours].shape[1:]}"
+                )
+            stacked[ours][i] = value
+            seen_layers[ours][i] = True
+        elif name in global_names:
+            ours, transpose = global_names[name]
+            if ours == "lm_head" and cfg.tie_word_embeddings:
+                continue
+            tree[ours] = arr.T if transpose else arr
+    missing = [f"layers.{k}[{np.flatnonzero(~s).tolist()}]" for k, s in seen_layers.items() if not s.all()]
+    missing += [k for k in ("embed", "final_norm") if k not in tree]
+    if not cfg.tie_word_embeddings and "lm_head" not in tree:
+        missing.append("lm_head")
+    if missing:
+        raise CheckpointError(f"{source}: the checkpoint lacks tensors for {', '.join(missing)} (truncated or wrong model?)")
+    tree["layers"] = stacked
+    tree.setdefault("lm_head", None)
+    try:
+        params = params_from_dict(tree, cfg)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# HF directory: config.json + model.safetensors or a sharded index
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt: {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not read: "
+            "re-save with `save_pretrained(..., safe_serialization=True)`)"
+        )
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{f} is listed in the shard index but missing")
+    return files
+
+def load_hf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False) -> Params:
+    """An HF Llama/Mistral directory (config.json + safetensors) -> `Params`, without torch."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} has no config.json, so it is not an HF model directory")
+    cfg = LlamaConfig.from_hf_file(path / "config.json")
+    files = _safetensors_files(path)
+
+    def tensors():
+        for f in files:
+            try:
+                with safe_open(str(f), framework="flax") as handle:
+                    names = list(handle.keys())
+                    bar = _progress(len(names), f.name, progress)
+                    for name in names:
+                        yield name, np.asarray(handle.get_tensor(name), np.float32)
+                        bar.update()
+                    bar.close()
+            except SafetensorError as e:
+                raise CheckpointError(f"{f} is corrupt or truncated ({e}); re-download or re-save it") from e
+
+    return _assemble(cfg, tensors(), _HF_LAYER_NAMES, _HF_GLOBAL_NAMES, "model.layers.", dtype, str(path))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF (llama architecture)
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+def gguf_config(reader, source: str) -> LlamaConfig:
+    """The model config a GGUF file's metadata describes."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; kivi_jax reads 'llama'")
+    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    head_dim = int(g("attention.key_length", hidden // heads))
+    scaling = g("rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise UnsupportedModelError(f"{source}: GGUF rope scaling {scaling!r} is not supported")
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_type="linear" if scaling == "linear" else "default",
+        rope_factor=float(g("rope.scaling.factor", 1.0)),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(g("context_length", 4096)),
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        pad_token_id=_gguf_field(reader, "tokenizer.ggml.padding_token_id"),
+        model_type="llama",
+    )
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation `[out, in]` (interleaved rotary pairs -> HF's half-split layout)."""
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False) -> Params:
+    """A llama-architecture GGUF file -> `Params` (quantized tensors dequantized to float32)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises a variety of errors on damaged files
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); corrupt or truncated?") from e
+    cfg = gguf_config(reader, str(path))
+
+    def tensors():
+        bar = _progress(len(reader.tensors), path.name, progress)
+        for t in reader.tensors:
+            try:
+                arr = dequantize(t.data, t.tensor_type).astype(np.float32)
+            except Exception as e:
+                raise CheckpointError(f"{path}: tensor {t.name} cannot be read ({e}); corrupt or truncated?") from e
+            arr = arr.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+            if t.name.endswith("attn_q.weight"):
+                arr = unpermute_rope_rows(arr, cfg.num_heads)
+            elif t.name.endswith("attn_k.weight"):
+                arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
+            yield t.name, arr
+            bar.update()
+        bar.close()
+
+    return _assemble(cfg, tensors(), _GGUF_LAYER_NAMES, _GGUF_GLOBAL_NAMES, "blk.", dtype, str(path))
+
+def gguf_tokenizer(path: str | os.PathLike):
+    """The tokenizer embedded in a GGUF file, via transformers' GGUF reader."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Our own format: orbax params + config json + tokenizer files
+
+def save(params: Params, path: str | os.PathLike, tokenizer=None, source: str | None = None) -> Path:
+    """Writes params (orbax), their config and optionally a tokenizer to the directory `path` (must not exist)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if path.exists():
+        raise CheckpointError(f"{path} already exists; choose a new directory or remove it first")
+    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tree = {k: v for k, v in params_to_dict(params).items() if v is not None}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp / "params", tree)
+    checkpointer.wait_until_finished()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    meta = {
+        "format": "kivi_jax",
+        "version": FORMAT_VERSION,
+        "dtype": jnp.dtype(params.dtype).name,
+        "config": params.config.to_dict(),
+        "source": source,
+    }
+    (tmp / FORMAT_FILE).write_text(json.dumps(meta, indent=2))  # written last: its presence marks a whole checkpoint
+    try:
+        tmp.rename(path)
+    except OSError as e:  # another writer got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{path} appeared while saving ({e})") from e
+    return path
+
+def is_kivi_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / FORMAT_FILE).is_file()
+
+def restore(path: str | os.PathLike, dtype=None) -> Params:
+    """Reads params written by `save`; `dtype` casts them (default: as saved)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta_file = path / FORMAT_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a kivi_jax checkpoint (no {FORMAT_FILE}); convert with `kivi-jax convert`")
+    try:
+        meta = json.loads(meta_file.read_text())
+        cfg = LlamaConfig.from_dict(meta["config"])
+        saved_dtype = jnp.dtype(meta["dtype"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_file} is corrupt ({e}); re-run `kivi-jax convert`") from e
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {meta.get('version')}, this kivi_jax reads {FORMAT_VERSION}")
+    shapes = param_shapes(cfg)
+
+    def abstract(shape):
+        return jax.ShapeDtypeStruct(shape, saved_dtype)
+
+    target = {k: abstract(s) for k, s in shapes.items() if k != "layers" and s is not None}
+    target["layers"] = {k: abstract(s) for k, s in shapes["layers"].items()}
+    try:
+        tree = ocp.StandardCheckpointer().restore(path / "params", target)
+    except Exception as e:  # orbax / tensorstore raise many kinds on damaged data
+        raise CheckpointError(
+            f"{path / 'params'} is corrupt or truncated ({type(e).__name__}: {str(e)[:300]}); "
+            "delete it and convert again"
+        ) from e
+    tree.setdefault("lm_head", None)
+    params = params_from_dict(tree, cfg)
+    if dtype is not None:
+        params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+    return params
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer stored beside a checkpoint (our `tokenizer/` or an HF dir's files), or None."""
+    path = Path(path)
+    for candidate in (path / "tokenizer", path):
+        if (candidate / "tokenizer.json").exists() or (candidate / "tokenizer_config.json").exists():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(candidate))
+    return None
+
+def load_any(path: str | os.PathLike, dtype=None, progress: bool = False) -> tuple[Params, object]:
+    """Params and tokenizer from an HF directory, a .gguf file or a kivi_jax checkpoint directory."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path} is a file but not a .gguf; give a .gguf file, an HF directory or a kivi_jax checkpoint")
+        return load_gguf(path, dtype or jnp.float32, progress), gguf_tokenizer(path)
+    if is_kivi_checkpoint(path):
+        return restore(path, dtype), load_tokenizer(path)
+    if (path / "config.json").exists():
+        return load_hf(path, dtype or jnp.float32, progress), load_tokenizer(path)
+    raise CheckpointError(
+        f"{path} is neither an HF model directory (config.json + safetensors) nor a kivi_jax checkpoint ({FORMAT_FILE})"
+    )
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, dtype=None, progress: bool = True) -> Path:
+    """Converts an HF directory or GGUF file into a kivi_jax checkpoint directory."""
+    params, tokenizer = load_any(src, dtype, progress)
+    return save(params, out, tokenizer, source=str(src))

@@ -1,0 +1,130 @@
+"""KIVIConfig: bits, group size, residual length and axes of a KIVI cache; the cache-spec grammar."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from kivi_jax.quant import SCALE_DTYPES, SUPPORTED_BITS
+
+AXES = ("channel", "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class KIVIConfig:
+    """A KIVI cache: keys per-channel and values per-token by default (KIVI's axes).
+
+    `group_size` (G) consecutive tokens (per-channel) or channels (per-token) share a scale and min; the newest tokens
+    stay in full precision in a residual of `residual_length` (R, a multiple of G). `key_axis` / `value_axis` flip the
+    axes for the ablation study only. Scales and mins are stored in `scale_dtype`.
+    """
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            bits = getattr(self, name)
+            if bits not in SUPPORTED_BITS:
+                raise ValueError(f"{name}={bits} is not supported; choose one of {SUPPORTED_BITS}")
+        if not isinstance(self.group_size, int) or self.group_size <= 0:
+            raise ValueError(f"group_size={self.group_size} must be a positive integer")
+        r, g = self.residual_length, self.group_size
+        if not isinstance(r, int) or r <= 0 or r % g:
+            raise ValueError(
+                f"residual_length={r} must be a positive multiple of group_size={g} (e.g. {max(g, 128 // g * g)})"
+            )
+        for name in ("key_axis", "value_axis"):
+            if getattr(self, name) not in AXES:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {AXES}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {tuple(SCALE_DTYPES)}")
+
+    def check_shapes(self, head_dim: int, max_tokens: int) -> None:
+        """Raises a clear error unless a cache of `max_tokens` tokens with this `head_dim` can be built."""
+        g, r = self.group_size, self.residual_length
+        if head_dim % g:
+            divisors = [d for d in (32, 64, 128) if head_dim % d == 0 and r % d == 0]
+            raise ValueError(
+                f"group_size={g} does not divide head_dim={head_dim}; per-token groups run over channels "
+                f"(try group_size in {divisors or [d for d in range(1, head_dim + 1) if head_dim % d == 0]})"
+            )
+        for bits in (self.k_bits, self.v_bits):
+            if head_dim % (8 // bits):
+                raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // bits} to pack {bits}-bit codes")
+        if max_tokens <= 0 or max_tokens % r:
+            up = -(-max(max_tokens, 1) // r) * r
+            raise ValueError(
+                f"max_tokens={max_tokens} must be a positive multiple of residual_length={r} (e.g. {up})"
+            )
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string, e.g. `k2v2-g32-r128`."""
+        s = f"k{self.k_bits}v{self.v_bits}-g{self.group_size}-r{self.residual_length}"
+        if self.key_axis == "token":
+            s += "-ktok"
+        if self.value_axis == "channel":
+            s += "-vchan"
+        if self.scale_dtype != "float16":
+            s += {"float32": "-sf32", "bfloat16": "-sbf16"}[self.scale_dtype]
+        return s
+
+
+ALIASES = {
+    "kivi2": KIVIConfig(2, 2, 32, 128),
+    "kivi4": KIVIConfig(4, 4, 32, 128),
+}
+
+SPEC_HELP = (
+    "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
+    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16] with bits in {2,4,8}, e.g. k4v2-g64-r128; "
+    "-ktok quantizes keys per-token and -vchan values per-channel (the axis ablation); -sf32/-sbf16 store scales "
+    "and mins in float32/bfloat16 instead of float16"
+)
+
+_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:g\d+|r\d+|ktok|vchan|sf32|sbf16))*)$")
+
+
+def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
+    """'full', an alias or a spec string -> 'full' or a KIVIConfig; a KIVIConfig passes through."""
+    if isinstance(spec, KIVIConfig):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a cache spec is a string or KIVIConfig, not {type(spec).__name__}")
+    s = spec.strip().lower()
+    if s == "full":
+        return "full"
+    if s in ALIASES:
+        return ALIASES[s]
+    m = _SPEC.match(s)
+    if not m:
+        raise ValueError(f"bad cache spec {spec!r}; {SPEC_HELP}")
+    opts = [o for o in m.group(3).split("-") if o]
+    kw: dict = {"k_bits": int(m.group(1)), "v_bits": int(m.group(2))}
+    for o in opts:
+        key = {"g": "group_size", "r": "residual_length"}.get(o[0]) if o[0] in "gr" else None
+        if key:
+            if key in kw:
+                raise ValueError(f"bad cache spec {spec!r}: {key} given twice")
+            kw[key] = int(o[1:])
+        elif o == "ktok":
+            kw["key_axis"] = "token"
+        elif o == "vchan":
+            kw["value_axis"] = "channel"
+        else:
+            kw["scale_dtype"] = {"sf32": "float32", "sbf16": "bfloat16"}[o]
+    try:
+        return KIVIConfig(**kw)
+    except ValueError as e:
+        raise ValueError(f"bad cache spec {spec!r}: {e}") from e
+
+
+def spec_name(spec: "str | KIVIConfig") -> str:
+    """The canonical name of a parsed spec ('full' or e.g. 'k2v2-g32-r128')."""
+    return spec if isinstance(spec, str) else spec.spec

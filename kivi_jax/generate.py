@@ -1,0 +1,325 @@
+"""Text generation: a jit-compiled prefill, then a jit-compiled decode step per token with the cache donated."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+import warnings
+from typing import Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.cache import CacheCapacityError, make_cache
+from kivi_jax.config import KIVIConfig, parse_cache_spec
+from models.config import LlamaConfig
+from models.llama import Params, forward
+
+PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
+CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)
+
+
+class Model(NamedTuple):
+    """What `kivi_jax.load` returns; unpacks as `params, config, tokenizer`."""
+
+    params: Params
+    config: LlamaConfig
+    tokenizer: object | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy when temperature is 0, else top-k / top-p sampling."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 means no top-k cut)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Next tokens `[batch]` from float32 logits `[batch, vocab]`."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        order = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(order, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+        cutoff = jnp.min(jnp.where(before < sampling.top_p, order, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
+def prefill_step(params: Params, tokens: jax.Array, lengths: jax.Array, cache, key: jax.Array, sampling: Sampling):
+    """Prompt `tokens [batch, padded]` with `lengths [batch]` real tokens -> (first new token `[batch]`, cache, key)."""
+    logits, cache = forward(params, tokens, cache, num_new=lengths, logits_at=lengths - 1)
+    key, sub = jax.random.split(key)
+    return sample_tokens(logits[:, 0], sub, sampling), cache, key
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
+def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampling: Sampling):
+    """One token a sequence `[batch]` -> (next token `[batch]`, cache, key)."""
+    logits, cache = forward(params, tokens[:, None], cache)
+    key, sub = jax.random.split(key)
+    return sample_tokens(logits[:, 0], sub, sampling), cache, key
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in x)
+
+
+def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[list[int]], bool]:
+    """A prompt (text, token ids, or a list of either) -> (token id lists, whether it was a single prompt)."""
+    if isinstance(prompt, np.ndarray) or isinstance(prompt, jax.Array):
+        prompt = np.asarray(prompt).tolist()
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        prompts, single = [prompt], True
+    elif isinstance(prompt, (list, tuple)) and prompt:
+        prompts, single = list(prompt), False
+    else:
+        raise ValueError("empty prompt: give a non-empty string, a list of token ids, or a list of prompts")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(
+                    "a text prompt needs a tokenizer: pass the Model from kivi_jax.load(...) or tokenizer=..."
+                )
+            if chat:
+                if not getattr(tokenizer, "chat_template", None):
+                    raise ValueError("chat=True but this tokenizer has no chat template")
+                p = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                  add_generation_prompt=True)
+                ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+            else:
+                ids = tokenizer(p)["input_ids"]
+        elif _is_token_list(p):
+            if chat:
+                raise ValueError("chat=True needs text prompts, not token ids")
+            ids = [int(t) for t in p]
+        else:
+            raise ValueError(f"prompt {i} is a {type(p).__name__}; give text or a list of token ids")
+        if not ids:
+            raise ValueError(f"empty prompt{'' if single else f' (number {i})'}: it has no tokens")
+        out.append(ids)
+    return out, single
+
+
+def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | None, cfg: LlamaConfig) -> int:
+    """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets."""
+    need = prompt_len + max_new_tokens
+    multiple = CACHE_BUCKET if spec == "full" else math.lcm(CACHE_BUCKET, spec.residual_length)
+    if max_length is not None:
+        if need > max_length:
+            raise CacheCapacityError(
+                f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}, so the cache needs "
+                f"{need} tokens, but max_length={max_length}; raise max_length to at least {need} or shorten the prompt"
+            )
+        return max_length
+    if need > cfg.max_position_embeddings:
+        raise CacheCapacityError(
+            f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {need} tokens exceed the "
+            f"model's {cfg.max_position_embeddings} positions; shorten the prompt or lower max_new_tokens"
+        )
+    return -(-need // multiple) * multiple
+
+
+@dataclasses.dataclass
+class Step:
+    """One generated token per sequence; `token` is -1 for sequences already finished."""
+
+    index: int
+    tokens: np.ndarray  # [batch] int
+    done: np.ndarray  # [batch] bool, after this step
+
+
+@dataclasses.dataclass
+class Generation:
+    """The result of `generate`; `text` and `token_ids` are per sequence lists for a batch, plain for one prompt."""
+
+    sequences: list[list[int]]  # new token ids per sequence (including the EOS that stopped it)
+    prompt_lengths: list[int]
+    texts: list[str] | None
+    single: bool
+    seconds: float  # wall time of the whole call
+    prefill_seconds: float  # prefill (and its compilation on first use)
+    overflow: bool = False  # a KIVI scale/min overflowed its storage dtype
+
+    @property
+    def text(self):
+        return None if self.texts is None else (self.texts[0] if self.single else self.texts)
+
+    @property
+    def token_ids(self):
+        return self.sequences[0] if self.single else self.sequences
+
+    @property
+    def new_tokens(self):
+        n = [len(s) for s in self.sequences]
+        return n[0] if self.single else n
+
+    @property
+    def prompt_tokens(self):
+        return self.prompt_lengths[0] if self.single else self.prompt_lengths
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_tokens_per_s": round(self._decode_rate(), 2),
+            "overflow": self.overflow,
+        }
+
+    def _decode_rate(self) -> float:
+        steps = max(len(s) for s in self.sequences) - 1
+        dt = self.seconds - self.prefill_seconds
+        return steps * len(self.sequences) / dt if steps > 0 and dt > 0 else 0.0
+
+
+def _unpack_model(model, tokenizer):
+    if isinstance(model, Model):
+        return model.params, tokenizer if tokenizer is not None else model.tokenizer
+    if isinstance(model, Params):
+        return model, tokenizer
+    raise TypeError(f"expected the Model from kivi_jax.load(...) or Params, not {type(model).__name__}")
+
+
+class Session(NamedTuple):
+    """A prepared generation: encoded prompts and the stream of steps over them."""
+
+    prompts: list[list[int]]
+    single: bool
+    steps: Iterator[Step]
+    result: dict  # filled as the stream runs: prefill_seconds, overflow
+
+
+def start(
+    model,
+    prompt,
+    *,
+    tokenizer=None,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    cache: "str | KIVIConfig" = "full",
+    max_length: int | None = None,
+    attention_impl: str = "auto",
+    stop_at_eos: bool = True,
+) -> Session:
+    """Validates everything up front (so bad input fails before any compute) and returns the lazy step stream."""
+    params, tokenizer = _unpack_model(model, tokenizer)
+    cfg = params.config
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    sampling = Sampling(temperature, top_k, top_p)
+    spec = parse_cache_spec(cache)
+    prompts, single = encode_prompts(prompt, tokenizer, chat)
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
+    longest = max(len(p) for p in prompts)
+    max_tokens = cache_size(longest, max_new_tokens, spec, max_length, cfg)
+    if spec != "full":
+        spec.check_shapes(cfg.head_dim, max_tokens)
+    padded = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, max_tokens)
+    batch = len(prompts)
+    tokens = np.full((batch, padded), cfg.pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    eos = np.array(cfg.eos_token_ids if stop_at_eos else [], np.int32)
+    result: dict = {"prefill_seconds": 0.0, "overflow": False}
+
+    def steps() -> Iterator[Step]:
+        t0 = time.perf_counter()
+        kv = make_cache(spec, cfg, batch, max_tokens, params.dtype, attention_impl)
+        key = jax.random.PRNGKey(seed)
+        nxt, kv, key = prefill_step(params, jnp.asarray(tokens), jnp.asarray(lengths), kv, key, sampling)
+        done = np.zeros(batch, bool)
+        for i in range(max_new_tokens):
+            host = np.asarray(nxt)
+            if i == 0:
+                result["prefill_seconds"] = time.perf_counter() - t0
+            out = np.where(done, -1, host)
+            done = done | np.isin(host, eos)
+            if i == max_new_tokens - 1:
+                done[:] = True
+            yield Step(i, out, done.copy())
+            if done.all():
+                break
+            feed = jnp.asarray(np.where(done, cfg.pad_id, host).astype(np.int32))
+            nxt, kv, key = decode_step(params, feed, kv, key, sampling)
+        if hasattr(kv, "overflow") and bool(np.any(np.asarray(kv.overflow))):
+            result["overflow"] = True
+            warnings.warn(
+                f"KIVI cache: a quantization scale or min overflowed {spec.scale_dtype} (|x| beyond its range) in "
+                "sequences " + str(np.flatnonzero(np.asarray(kv.overflow)).tolist()) + "; their output is unreliable. "
+                "Store scales in float32 (KIVIConfig(scale_dtype='float32'), spec suffix -sf32).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    return Session(prompts, single, steps(), result)
+
+
+def stream(model, prompt, **kwargs) -> Iterator[Step]:
+    """Yields each generated token per sequence as it is produced (see `generate` for the arguments)."""
+    yield from start(model, prompt, **kwargs).steps
+
+
+def generate(model, prompt, **kwargs) -> Generation:
+    """Generates text or tokens from a prompt (or a batch of prompts of different lengths).
+
+    `model`: the Model from `kivi_jax.load` (or Params plus `tokenizer=`). `prompt`: text, token ids, or a list of
+    either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
+    `top_k`, `top_p`, `seed`, `cache` ('full', 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
+    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`.
+    """
+    t0 = time.perf_counter()
+    _, tokenizer = _unpack_model(model, kwargs.get("tokenizer"))
+    session = start(model, prompt, **kwargs)
+    seqs: list[list[int]] = [[] for _ in session.prompts]
+    for step in session.steps:
+        for b, t in enumerate(step.tokens):
+            if t >= 0:
+                seqs[b].append(int(t))
+    texts = None
+    if tokenizer is not None:
+        texts = [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
+    return Generation(
+        sequences=seqs,
+        prompt_lengths=[len(p) for p in session.prompts],
+        texts=texts,
+        single=session.single,
+        seconds=time.perf_counter() - t0,
+        prefill_seconds=session.result["prefill_seconds"],
+        overflow=session.result["overflow"],
+    )
+
+
+def decode_text(tokenizer, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,113 @@
+"""Asymmetric group quantization and planar uint8 packing (pure jnp, float32 arithmetic).
+
+A group of `group_size` consecutive elements along one axis shares a (scale, min):
+`scale = (max - min) / (2**bits - 1)`, `code = clip(round_half_even((x - min) / scale), 0, 2**bits - 1)`,
+`x_hat = code * scale + min`. Scale and min are rounded to their storage dtype first and the codes are computed
+against the stored values, so the grid the codes index is exactly the one dequantization uses. A zero range (or one
+that underflows the storage dtype) stores scale 1, so a constant group comes back exactly as its stored min.
+
+Per-channel (KIVI's keys): groups run along the token axis, one (scale, min) per channel per `group_size` tokens.
+Per-token (KIVI's values): groups run along the channel axis, one (scale, min) per token per `group_size` channels.
+
+Packing is planar along the last axis: with `p = 8 // bits` codes a byte, byte `j` of a row of `D` codes holds
+codes `j, j + D/p, j + 2D/p, ...`, code `i` of the byte in bits `[bits*i, bits*(i+1))`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_BITS = (2, 4, 8)
+SCALE_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{bits} bits are not supported; choose one of {SUPPORTED_BITS}")
+    return bits
+
+
+def codes_per_byte(bits: int) -> int:
+    return 8 // check_bits(bits)
+
+
+def quantize(x: jax.Array, bits: int, group_size: int, axis: int, scale_dtype=jnp.float16):
+    """Quantizes `x` in groups of `group_size` consecutive elements along `axis`.
+
+    Returns `(codes, scale, mn)`: codes uint8 with x's shape (one code a byte, unpacked); scale and mn in
+    `scale_dtype` with x's shape except `axis`, which has `x.shape[axis] // group_size` groups.
+    """
+    levels = 2 ** check_bits(bits) - 1
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % group_size:
+        raise ValueError(f"axis {axis} has {n} elements, not a multiple of group_size={group_size}")
+    grouped_shape = x.shape[:axis] + (n // group_size, group_size) + x.shape[axis + 1 :]
+    xg = x.astype(jnp.float32).reshape(grouped_shape)
+    mn = jnp.min(xg, axis=axis + 1)
+    mx = jnp.max(xg, axis=axis + 1)
+    mn_s = mn.astype(scale_dtype)
+    scale_s = ((mx - mn) / levels).astype(scale_dtype)
+    scale_s = jnp.where(scale_s == 0, jnp.ones((), scale_dtype), scale_s)
+    mn_f = jnp.expand_dims(mn_s.astype(jnp.float32), axis + 1)
+    scale_f = jnp.expand_dims(scale_s.astype(jnp.float32), axis + 1)
+    codes = jnp.clip(jnp.round((xg - mn_f) / scale_f), 0, levels).astype(jnp.uint8)
+    return codes.reshape(x.shape), scale_s, mn_s
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, mn: jax.Array, group_size: int, axis: int) -> jax.Array:
+    """float32 `codes * scale + mn`, with scale and mn broadcast over their groups along `axis`."""
+    axis = axis % codes.ndim
+    scale = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
+    mn = jnp.repeat(mn.astype(jnp.float32), group_size, axis=axis)
+    return codes.astype(jnp.float32) * scale + mn
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+    """Packs uint8 codes `[..., D]` (each < 2**bits) into `[..., D // p]` bytes, planar (see module doc)."""
+    p = codes_per_byte(bits)
+    d = codes.shape[-1]
+    if d % p:
+        raise ValueError(f"the last axis ({d}) must be a multiple of {p} to pack {bits}-bit codes")
+    slabs = codes.reshape(codes.shape[:-1] + (p, d // p)).astype(jnp.uint8)
+    packed = jnp.zeros(codes.shape[:-1] + (d // p,), jnp.uint8)
+    for i in range(p):
+        packed = packed | (slabs[..., i, :] << (bits * i))
+    return packed
+
+
+def unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """The inverse of `pack`: `[..., D // p]` bytes -> uint8 codes `[..., D]`."""
+    p = codes_per_byte(bits)
+    mask = jnp.uint8(2**bits - 1)
+    slabs = [(packed >> (bits * i)) & mask for i in range(p)]
+    return jnp.concatenate(slabs, axis=-1)
+
+
+def quantize_per_channel(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16):
+    """`x [..., tokens, D]` -> packed codes `[..., tokens, D // p]`, scale and min `[..., tokens // G, D]`."""
+    codes, scale, mn = quantize(x, bits, group_size, axis=-2, scale_dtype=scale_dtype)
+    return pack(codes, bits), scale, mn
+
+
+def quantize_per_token(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16):
+    """`x [..., tokens, D]` -> packed codes `[..., tokens, D // p]`, scale and min `[..., tokens, D // G]`."""
+    codes, scale, mn = quantize(x, bits, group_size, axis=-1, scale_dtype=scale_dtype)
+    return pack(codes, bits), scale, mn
+
+
+def dequantize_per_channel(packed, scale, mn, bits: int, group_size: int) -> jax.Array:
+    return dequantize(unpack(packed, bits), scale, mn, group_size, axis=-2)
+
+
+def dequantize_per_token(packed, scale, mn, bits: int, group_size: int) -> jax.Array:
+    return dequantize(unpack(packed, bits), scale, mn, group_size, axis=-1)
+
+
+def overflowed(*stored: jax.Array) -> jax.Array:
+    """True where a stored scale or min is not finite (|x| beyond the storage dtype's range, or NaN input)."""
+    bad = jnp.zeros((), bool)
+    for s in stored:
+        bad = bad | ~jnp.all(jnp.isfinite(s))
+    return bad

@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny random transformers models (the parity oracle) saved as HF directories, loaded by us."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch on 2 threads is up to 1000x slower on small ops here
+
+import numpy as np
+import pytest
+
+TINY_VOCAB = 96
+
+# name -> (architecture, kwargs for the transformers config)
+TINY_CONFIGS = {
+    # n_rep 1, untied embeddings
+    "llama_mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
+    # GQA n_rep 2, tied embeddings, llama3 rope scaling (original context shorter than the test sequences)
+    "llama_gqa_llama3": ("llama", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+        rope_theta=500000.0,
+    )),
+    # Mistral: GQA n_rep 4, sliding window shorter than the sequences
+    "mistral_window": ("mistral", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=11,
+                                       tie_word_embeddings=False)),
+}
+
+
+def torch_threads():
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
+
+def make_hf_model(name: str | tuple, seed: int = 0):
+    """A tiny random transformers model: a name in TINY_CONFIGS or an (architecture, kwargs) pair; float32, eval."""
+    torch = torch_threads()
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    arch, kw = TINY_CONFIGS[name] if isinstance(name, str) else name
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, **kw))
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, **kw))
+    # Larger weights than the default init make the logits less flat, so greedy decoding has clear winners.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(3.0)
+    return model.eval()
+
+
+def char_tokenizer():
+    """A character-level tokenizer over TINY_VOCAB ids (pad 0, bos 1, eos 2), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + TINY_VOCAB - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """name -> (HF directory with safetensors + tokenizer, the torch model)."""
+    out = {}
+    for i, name in enumerate(TINY_CONFIGS):
+        model = make_hf_model(name, seed=i)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        char_tokenizer().save_pretrained(path)
+        out[name] = (path, model)
+    return out
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    torch = torch_threads()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)

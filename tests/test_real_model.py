@@ -1,0 +1,63 @@
+"""SmolLM2-135M-Instruct from its GGUF (the offline default model): parity with transformers and real answers."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kivi_jax
+from conftest import torch_threads
+from kivi_jax import hub
+from models.llama import forward
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return kivi_jax.load("smollm2", progress=False)
+
+
+def test_default_model_shape(smollm2):
+    cfg = smollm2.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
+    assert hub.checkpoint_dir("smollm2").is_dir()  # converted once, cached
+
+
+def test_logits_match_transformers_gguf_load(smollm2):
+    torch = torch_threads()
+    from transformers import AutoModelForCausalLM
+
+    gguf = hub.fetch_gguf("smollm2")
+    ref_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    ids = smollm2.tokenizer("The Python language reference describes the syntax and core semantics.")["input_ids"]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(jax.jit(forward)(smollm2.params, jnp.asarray([ids]))[0])
+    assert np.abs(ours - ref).max() <= 1e-3
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("cache", ["full", "kivi4", "kivi2"])
+def test_chat_answer_names_paris(smollm2, cache):
+    gen = kivi_jax.generate(smollm2, QUESTION, chat=True, max_new_tokens=24, cache=cache)
+    assert "Paris" in gen.text
+
+
+def test_cli_generate_json(smollm2):
+    out = subprocess.run(
+        [sys.executable, "-m", "kivi_jax.cli", "generate", "--prompt", QUESTION, "--chat", "--max-new-tokens", "16",
+         "--cache", "kivi2", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    result = json.loads(out.stdout)
+    assert "Paris" in result["text"]
+    assert {"text", "token_ids", "prompt_tokens", "new_tokens", "seconds"} <= set(result)
+    assert result["new_tokens"] == len(result["token_ids"]) and result["prompt_tokens"] > 10
