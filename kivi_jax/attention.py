@@ -1,8 +1,10 @@
-"""Decode attention over a cache: the blockwise XLA path (online softmax over token blocks).
+"""Decode attention over a cache: the blockwise XLA path (online softmax over token blocks) and the dispatch that
+picks the Pallas kernel on GPU.
 
-Every function here answers one new query token per sequence against what the cache holds plus the token's own key and
-value, which the caller passes in full precision. Shapes: q `[batch, kv_heads, n_rep, head_dim]` (GQA: query head
-`h * n_rep + r` reads kv head `h`), per-layer cache tensors `[batch, kv_heads, tokens, ...]`.
+Every decode function answers one new query token per sequence against what the cache holds plus the token's own
+key and value, which the caller passes in full precision. Shapes: q `[batch, 1, q_heads, head_dim]` (GQA: query head
+`h * n_rep + r` reads kv head `h`); cache tensors stacked `[layers, batch, kv_heads, tokens, ...]` and read one
+block of one layer at a time (`layer=None` takes tensors that hold one layer already).
 """
 
 from __future__ import annotations
@@ -13,6 +15,31 @@ import jax
 import jax.numpy as jnp
 
 BLOCK_TOKENS = 512  # tokens per block of the XLA path's loop
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading one layer without copying it
+
+
+def layer_tokens(a: jax.Array, layer, start, size: int) -> jax.Array:
+    """Token rows `[start, start + size)` of one layer: `a [layers, batch, kv_heads, tokens, X]` (or without the
+    layer axis when `layer` is None) -> `[batch, kv_heads, size, X]`."""
+    if layer is None:
+        return jax.lax.dynamic_slice_in_dim(a, start, size, axis=-2)
+    sizes = (1,) + a.shape[1:3] + (size, a.shape[4])
+    return jax.lax.dynamic_slice(a, (layer, 0, 0, start, 0), sizes)[0]
+
+
+def gather_tokens(a: jax.Array, layer, rows: jax.Array) -> jax.Array:
+    """Token rows `rows [batch, n]` of one layer, per sequence -> `[batch, kv_heads, n, X]`."""
+    batch = rows.shape[0]
+    a = a if layer is None else a[layer]  # a gather of a gather: XLA reads only the rows
+    got = a[jnp.arange(batch)[:, None], :, rows]  # [batch, n, kv_heads, X]
+    return jnp.moveaxis(got, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Online softmax
 
 
 class Softmax(NamedTuple):
@@ -54,10 +81,10 @@ def ungroup(out: jax.Array, dtype) -> jax.Array:
 
 
 def token_mask(pos: jax.Array, end: jax.Array, query_pos: jax.Array, window: int | None, begin=None) -> jax.Array:
-    """`[batch, tokens]`: token positions `pos [tokens]` that are in `[begin, end)` and inside the sliding window."""
+    """`[batch, tokens]`: positions `pos [tokens]` in `[begin, end)` (per sequence) and inside the sliding window."""
     valid = pos[None, :] < end[:, None]
     if begin is not None:
-        valid &= pos[None, :] >= begin[:, None]
+        valid &= pos[None, :] >= begin
     if window is not None:
         valid &= query_pos[:, None] - pos[None, :] < window
     return valid
@@ -69,24 +96,18 @@ def masked(scores: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def blockwise(
-    state: Softmax,
-    num_tokens: int,
-    block: int,
-    end: jax.Array,
-    step: Callable[[Softmax, jax.Array, jax.Array], Softmax],
+    state: Softmax, num_tokens: int, block: int, end: jax.Array, step: Callable[[Softmax, jax.Array, jax.Array], Softmax]
 ) -> Softmax:
     """Runs `step(state, start, first_new)` over `block`-token blocks covering `[0, max(end))` of `num_tokens`.
 
-    The last block may start early (so it fits): `first_new` is the first position the block owns; positions below it
-    were already counted and must be masked.
+    The last block may start early so that it fits: `first_new` is the first position the block owns; positions
+    below it were counted by the previous block and must be masked.
     """
-    block = min(block, num_tokens)
     n_blocks = (jnp.max(end) + block - 1) // block
 
     def body(i, state):
         first_new = i * block
-        start = jnp.minimum(first_new, num_tokens - block)
-        return step(state, start, first_new)
+        return step(state, jnp.minimum(first_new, num_tokens - block), first_new)
 
     return jax.lax.fori_loop(0, n_blocks, body, state)
 
@@ -99,30 +120,28 @@ def add_new_token(state: Softmax, q: jax.Array, k_new: jax.Array, v_new: jax.Arr
     return state.update(scores, lambda p: p * v[:, :, None, :])
 
 
-def decode_full_xla(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    length: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    window: int | None,
-    block: int = BLOCK_TOKENS,
-) -> jax.Array:
-    """Decode attention over a full-precision layer cache `[batch, kv_heads, tokens, head_dim]`.
-
-    q `[batch, 1, q_heads, head_dim]`; the cache holds `length [batch]` tokens; k_new/v_new `[batch, 1, kv_heads,
-    head_dim]` belong to position `length`. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
-    """
-    batch, kv_heads, num_tokens, head_dim = k_cache.shape
-    qg = group_queries(q, kv_heads)  # [batch, kv_heads, n_rep, head_dim]
+def block_size(num_tokens: int, multiple: int = 1, block: int = BLOCK_TOKENS) -> int:
+    """The loop's block: at most `block` tokens and all of a short cache, a multiple of `multiple` (G)."""
     block = min(block, num_tokens)
+    return block - block % multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Full precision
+
+
+def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, block: int = BLOCK_TOKENS) -> jax.Array:
+    """Decode attention over one layer of a full-precision cache `[(layers,) batch, kv_heads, tokens, head_dim]` that
+    holds `length [batch]` tokens; k_new/v_new `[batch, 1, kv_heads, head_dim]` sit at position `length`.
+    Returns `[batch, 1, q_heads, head_dim]` in q's dtype."""
+    kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
+    qg = group_queries(q, kv_heads)  # [batch, kv_heads, n_rep, head_dim]
+    block = block_size(num_tokens, 1, block)
 
     def step(state: Softmax, start, first_new) -> Softmax:
-        kb = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=2)  # [batch, kv_heads, block, head_dim]
-        vb = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
-        pos = start + jnp.arange(block)
-        valid = token_mask(pos, length, length, window, begin=jnp.full_like(length, first_new))
+        kb = layer_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
+        vb = layer_tokens(v_cache, layer, start, block)
+        valid = token_mask(start + jnp.arange(block), length, length, window, begin=first_new)
         scores = masked(jnp.einsum("bhrd,bhtd->bhrt", qg, kb, preferred_element_type=jnp.float32), valid)
         return state.update(
             scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
@@ -133,28 +152,12 @@ def decode_full_xla(
     return ungroup(state.result(), q.dtype)
 
 
-def use_pallas(impl: str) -> bool:
-    """`auto` takes the Pallas kernel on a GPU backend and the XLA path elsewhere."""
-    if impl == "auto":
-        return jax.default_backend() == "gpu"
-    return impl == "pallas"
-
-
-def decode_full(impl: str, q, k_cache, v_cache, length, k_new, v_new, window):
-    """Decode attention over a full-precision layer cache with the chosen implementation."""
-    if use_pallas(impl):
-        from pallas_kernels import full_decode
-
-        return full_decode.decode(q, k_cache, v_cache, length, k_new, v_new, window)
-    return decode_full_xla(q, k_cache, v_cache, length, k_new, v_new, window)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# KIVI: scores and weighted values straight from codes, with scales and mins folded in (never a dequantized cache)
+# KIVI: scores and weighted values straight from codes, scales and mins folded in (never a dequantized cache)
 
 
 def _unpacked(store) -> jax.Array:
-    """float32 codes `[batch, kv_heads, tokens, head_dim]` of a (block of a) one-layer store."""
+    """float32 codes `[batch, kv_heads, tokens, head_dim]` of a one-layer store block."""
     from kivi_jax.quant import unpack
 
     return unpack(store.codes, store.bits).astype(jnp.float32)
@@ -180,7 +183,7 @@ def quantized_scores(q: jax.Array, store) -> jax.Array:
 
 
 def quantized_values(p: jax.Array, store) -> jax.Array:
-    """Probabilities `[batch, kv_heads, n_rep, tokens]` times a store block's values -> `[batch, kv_heads, n_rep, head_dim]`."""
+    """Probabilities `[batch, kv_heads, n_rep, tokens]` times a store block's values -> `[..., n_rep, head_dim]`."""
     codes = _unpacked(store)
     batch, kv_heads, tokens, head_dim = codes.shape
     g = store.group_size
@@ -198,62 +201,57 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
     return jnp.einsum("bhrgd,bhgd->bhrd", partial, scale) + jnp.einsum("bhrg,bhgd->bhrd", pg.sum(-1), mn)
 
 
-def window_tensor(store, ring: jax.Array, held: jax.Array, length: jax.Array, residual: int) -> jax.Array:
+def ring_tokens(length: jax.Array, residual: int) -> jax.Array:
+    """`[batch, R]`: the token each ring slot holds once `length` tokens are in (the newest t < length with
+    t % R == slot); negative where the slot was never written."""
+    last = length[:, None] - 1
+    return last - jnp.mod(last - jnp.arange(residual)[None, :], residual)
+
+
+def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
     """float32 `[batch, kv_heads, R, head_dim]`: what attention sees for each ring slot's token `held [batch, R]`.
 
     The ring's own entry, unless the token is already quantized (a per-channel store's last flushed block), in which
-    case its dequantized value: ring slot s and row s of the last R-block hold the same token.
+    case its dequantized value: ring slot s and row s of that R-block hold the same token.
     """
+    residual = ring.shape[2]
     ring = ring.astype(jnp.float32)
-    if store.axis == "token":  # tokens leave the ring exactly when they are quantized
+    if store.axis == "token":  # a per-token store quantizes a token exactly when it leaves the ring
         return ring
     end = store.quantized_end(length, residual)  # [batch]
-    start = jnp.maximum(end - residual, 0)
-    block = jax.vmap(lambda s, st: s.token_slice(st, residual).dequantize())(store, start)  # [batch, kv_heads, R, head_dim]
+    rows = jnp.maximum(end - residual, 0)[:, None] + jnp.arange(residual)[None, :]
+    block = store.gather_rows(layer, rows).dequantize()  # [batch, kv_heads, R, head_dim]
     return jnp.where((held < end[:, None])[:, None, :, None], block, ring)
 
 
 def decode_kivi_xla(
-    q: jax.Array,
-    k_store,
-    v_store,
-    k_ring: jax.Array,
-    v_ring: jax.Array,
-    length: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    window: int | None,
-    block: int = BLOCK_TOKENS,
+    q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS
 ) -> jax.Array:
     """Decode attention over one layer of a KIVI cache (DESIGN §3), blockwise with an online softmax.
 
     Three segments: tokens whose key and value are both quantized (walked in blocks, scales folded into q and p);
     the newest up-to-R tokens (ring, or the last flushed key block); the new token itself (full precision).
-    q `[batch, 1, q_heads, head_dim]`, rings `[batch, kv_heads, R, head_dim]`, k_new/v_new `[batch, 1, kv_heads,
-    head_dim]`. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
+    Stores are stacked over layers (or one layer with `layer=None`); rings `[batch, kv_heads, R, head_dim]`.
+    Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
     """
-    batch, kv_heads, num_tokens, _ = k_store.codes.shape
+    kv_heads, num_tokens = k_store.codes.shape[-3], k_store.codes.shape[-2]
     residual = k_ring.shape[2]
     qg = group_queries(q, kv_heads)
-    k_end = k_store.quantized_end(length, residual)
-    v_end = v_store.quantized_end(length, residual)
-    main_end = jnp.minimum(k_end, v_end)  # [batch]
-    block = min(block, num_tokens)
-    block -= block % max(k_store.group_size, 1)
+    main_end = jnp.minimum(k_store.quantized_end(length, residual), v_store.quantized_end(length, residual))
+    block = block_size(num_tokens, k_store.group_size, block)
 
     def step(state: Softmax, start, first_new) -> Softmax:
-        kb = k_store.token_slice(start, block)
-        vb = v_store.token_slice(start, block)
-        pos = start + jnp.arange(block)
-        valid = token_mask(pos, main_end, length, window, begin=jnp.full_like(length, first_new))
+        kb = k_store.token_slice(start, block, layer)
+        vb = v_store.token_slice(start, block, layer)
+        valid = token_mask(start + jnp.arange(block), main_end, length, window, begin=first_new)
         scores = masked(quantized_scores(qg, kb), valid)
         return state.update(scores, lambda p: quantized_values(p, vb))
 
     state = blockwise(Softmax.empty(qg), num_tokens, block, main_end, step)
 
     held = ring_tokens(length, residual)  # [batch, R]
-    k_win = window_tensor(k_store, k_ring, held, length, residual)
-    v_win = window_tensor(v_store, v_ring, held, length, residual)
+    k_win = window_tensor(k_store, layer, k_ring, held, length)
+    v_win = window_tensor(v_store, layer, v_ring, held, length)
     valid = (held >= main_end[:, None]) & (held >= 0)
     if window is not None:
         valid &= length[:, None] - held < window
@@ -263,17 +261,30 @@ def decode_kivi_xla(
     return ungroup(state.result(), q.dtype)
 
 
-def ring_tokens(length: jax.Array, residual: int) -> jax.Array:
-    """`[batch, R]`: the token each ring slot holds once `length` tokens are in (the newest t < length with
-    t % R == slot); negative where the slot was never written."""
-    last = length[:, None] - 1
-    return last - jnp.mod(last - jnp.arange(residual)[None, :], residual)
+# ---------------------------------------------------------------------------------------------------------------------
+# Dispatch
 
 
-def decode_kivi(impl: str, q, k_store, v_store, k_ring, v_ring, length, k_new, v_new, window):
+def use_pallas(impl: str) -> bool:
+    """`auto` takes the Pallas kernel on a GPU backend and the XLA path elsewhere."""
+    if impl == "auto":
+        return jax.default_backend() == "gpu"
+    return impl == "pallas"
+
+
+def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, window):
+    """Decode attention over one layer of a full-precision cache with the chosen implementation."""
+    if use_pallas(impl):
+        from pallas_kernels import full_decode
+
+        return full_decode.decode(q, k_cache, v_cache, layer, length, k_new, v_new, window)
+    return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window)
+
+
+def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window):
     """Decode attention over one layer of a KIVI cache with the chosen implementation."""
     if use_pallas(impl):
         from pallas_kernels import kivi_decode
 
-        return kivi_decode.decode(q, k_store, v_store, k_ring, v_ring, length, k_new, v_new, window)
-    return decode_kivi_xla(q, k_store, v_store, k_ring, v_ring, length, k_new, v_new, window)
+        return kivi_decode.decode(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
+    return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)

@@ -1,7 +1,9 @@
 """Cache pytrees: the full-precision cache (the baseline) and the KIVI cache.
 
-Both hold every layer stacked on a leading axis, are preallocated at their final size, are written with
-`dynamic_update_slice` / scatter under `jit`, and keep one counter, `length [batch]`.
+Both hold every layer stacked on a leading axis, are preallocated at their final size, and keep one counter,
+`length [batch]`. Inside the model's layer scan a cache is only read: each layer returns a small update (the new
+token's rows), and `commit` writes all layers' updates at once after the scan. Reads inside the loop and writes
+after it let XLA update the donated buffers in place instead of copying the whole cache every step.
 """
 
 from __future__ import annotations
@@ -41,10 +43,22 @@ def zero_padding(x: jax.Array, num_new: jax.Array) -> jax.Array:
     return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
-def write_token(buf: jax.Array, layer: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
-    """Writes `x [batch, kv_heads, ...]` into `buf [layers, batch, kv_heads, slots, ...]` at `[layer, b, :, slot[b]]`."""
-    batch = x.shape[0]
-    return buf.at[layer, jnp.arange(batch), :, slot].set(x.astype(buf.dtype), mode="drop")
+def scatter_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """Writes `values [layers, batch, kv_heads, n, ...]` into `buf [layers, batch, kv_heads, rows, ...]` at token rows
+    `rows [batch, n]`, for every layer. Rows out of range (e.g. `buf.shape[3]`) are dropped: a sequence skips a write."""
+    batch = rows.shape[0]
+    vals = jnp.moveaxis(values, (1, 3), (0, 1)).astype(buf.dtype)  # [batch, n, layers, kv_heads, ...]
+    return buf.at[:, jnp.arange(batch)[:, None], :, rows].set(vals, mode="drop")
+
+
+def write_prefix(buf: jax.Array, values: jax.Array) -> jax.Array:
+    """Writes `values [layers, batch, kv_heads, n, ...]` over the first n token rows of `buf`."""
+    return jax.lax.dynamic_update_slice(buf, values.astype(buf.dtype), (0,) * buf.ndim)
+
+
+def stored_layout(x: jax.Array, num_new: jax.Array, dtype) -> jax.Array:
+    """New tokens `[batch, tokens, kv_heads, head_dim]` -> `[batch, kv_heads, tokens, head_dim]` in `dtype`, padding 0."""
+    return zero_padding(x, num_new).astype(dtype).transpose(0, 2, 1, 3)
 
 
 @struct.dataclass
@@ -77,23 +91,19 @@ class FullCache:
     def prefill_attend(self, layer, q, k, v, num_new, window):
         check_prefill_fits(k.shape[1], self.max_tokens)
         out = causal_attention(q, k, v, num_new, window)
-        k_store = zero_padding(k, num_new).transpose(0, 2, 1, 3)[None]  # [1, batch, kv_heads, tokens, head_dim]
-        v_store = zero_padding(v, num_new).transpose(0, 2, 1, 3)[None]
-        at = (layer, 0, 0, 0, 0)
-        return out, self.replace(
-            k=jax.lax.dynamic_update_slice(self.k, k_store.astype(self.k.dtype), at),
-            v=jax.lax.dynamic_update_slice(self.v, v_store.astype(self.v.dtype), at),
-        )
+        return out, {"prefill_k": stored_layout(k, num_new, self.k.dtype), "prefill_v": stored_layout(v, num_new, self.v.dtype)}
 
     def decode_attend(self, layer, q, k, v, window):
-        out = attention.decode_full(self.impl, q, self.k[layer], self.v[layer], self.length, k, v, window)
-        return out, self.replace(
-            k=write_token(self.k, layer, self.length, k[:, 0]),
-            v=write_token(self.v, layer, self.length, v[:, 0]),
-        )
+        out = attention.decode_full(self.impl, q, self.k, self.v, layer, self.length, k, v, window)
+        return out, {"k": k[:, 0, :, None, :], "v": v[:, 0, :, None, :]}  # [batch, kv_heads, 1, head_dim]
 
-    def advance(self, num_new):
-        return self.replace(length=self.length + num_new.astype(jnp.int32))
+    def commit(self, updates: dict, num_new: jax.Array) -> "FullCache":
+        if "prefill_k" in updates:
+            k, v = write_prefix(self.k, updates["prefill_k"]), write_prefix(self.v, updates["prefill_v"])
+        else:
+            rows = self.length[:, None]
+            k, v = scatter_rows(self.k, rows, updates["k"]), scatter_rows(self.v, rows, updates["v"])
+        return self.replace(k=k, v=v, length=self.length + num_new.astype(jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -131,8 +141,9 @@ class QuantStore:
             axis=axis,
         )
 
-    def layer(self, i) -> "QuantStore":
-        return self.replace(codes=self.codes[i], scale=self.scale[i], mn=self.mn[i])
+    @property
+    def max_tokens(self) -> int:
+        return self.codes.shape[-2]
 
     def quantized_end(self, length: jax.Array, residual: int) -> jax.Array:
         """Tokens `[0, end)` are quantized once `length` tokens are in: whole R-blocks, or all but the newest R."""
@@ -140,94 +151,87 @@ class QuantStore:
             return (length // residual) * residual
         return jnp.maximum(length - residual, 0)
 
-    def quantize(self, x: jax.Array):
-        """`x [..., tokens, head_dim]` -> (packed codes, scale, mn) on this store's axis."""
+    def quantize(self, x: jax.Array) -> dict:
+        """`x [..., tokens, head_dim]` -> {codes, scale, mn} on this store's axis, plus `bad [...]` (non-finite)."""
         fn = quant.quantize_per_channel if self.axis == "channel" else quant.quantize_per_token
-        return fn(x, self.bits, self.group_size, self.scale.dtype)
+        codes, scale, mn = fn(x, self.bits, self.group_size, self.scale.dtype)
+        finite = jnp.all(jnp.isfinite(scale), axis=(-2, -1)) & jnp.all(jnp.isfinite(mn), axis=(-2, -1))
+        return {"codes": codes, "scale": scale, "mn": mn, "bad": ~finite}
 
     def dequantize(self) -> jax.Array:
         """Every token of a one-layer store in float32 `[batch, kv_heads, max_tokens, head_dim]` (references, tests)."""
         fn = quant.dequantize_per_channel if self.axis == "channel" else quant.dequantize_per_token
         return fn(self.codes, self.scale, self.mn, self.bits, self.group_size)
 
-    def token_slice(self, start: jax.Array, size: int) -> "QuantStore":
-        """Tokens `[start, start + size)` of a one-layer store (start a multiple of G for per-channel)."""
-        codes = jax.lax.dynamic_slice_in_dim(self.codes, start, size, axis=-2)
+    def token_slice(self, start: jax.Array, size: int, layer=None) -> "QuantStore":
+        """Tokens `[start, start + size)` of one layer (`layer` of a stacked store, or all of a one-layer store) as a
+        one-layer store; `start` a multiple of G for per-channel. Only the slice is read."""
+        codes = attention.layer_tokens(self.codes, layer, start, size)
         if self.axis == "channel":
             g = self.group_size
-            scale = jax.lax.dynamic_slice_in_dim(self.scale, start // g, size // g, axis=-2)
-            mn = jax.lax.dynamic_slice_in_dim(self.mn, start // g, size // g, axis=-2)
+            scale = attention.layer_tokens(self.scale, layer, start // g, size // g)
+            mn = attention.layer_tokens(self.mn, layer, start // g, size // g)
         else:
-            scale = jax.lax.dynamic_slice_in_dim(self.scale, start, size, axis=-2)
-            mn = jax.lax.dynamic_slice_in_dim(self.mn, start, size, axis=-2)
+            scale = attention.layer_tokens(self.scale, layer, start, size)
+            mn = attention.layer_tokens(self.mn, layer, start, size)
         return self.replace(codes=codes, scale=scale, mn=mn)
 
+    def gather_rows(self, layer, rows: jax.Array) -> "QuantStore":
+        """Token rows `[batch, n]` (whole groups for per-channel) of one layer of a stacked store, as a one-layer store."""
+        srows = self.scale_rows(rows)
+        return self.replace(
+            codes=attention.gather_tokens(self.codes, layer, rows),
+            scale=attention.gather_tokens(self.scale, layer, srows),
+            mn=attention.gather_tokens(self.mn, layer, srows),
+        )
 
-def _write_rows(buf: jax.Array, layer, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """Scatters `values [batch, kv_heads, n, ...]` into `buf [layers, batch, kv_heads, rows, ...]` at `rows [batch, n]`.
+    def scale_rows(self, rows: jax.Array) -> jax.Array:
+        """Scale/min rows for token rows `[batch, n]` (one per G tokens for per-channel; rows are whole groups)."""
+        if self.axis == "token":
+            return rows
+        g = self.group_size
+        return rows[:, ::g] // g
 
-    Rows out of range (use `buf.shape[3]`) are dropped, which is how a sequence skips a write.
-    """
-    batch = values.shape[0]
-    vals = jnp.moveaxis(values, 2, 1).astype(buf.dtype)  # [batch, n, kv_heads, ...]
-    return buf.at[layer, jnp.arange(batch)[:, None], :, rows].set(vals, mode="drop")
+    def write_rows(self, rows: jax.Array, q: dict) -> "QuantStore":
+        """Writes quantized rows `q` (stacked over layers, token rows `[batch, n]`) into every layer."""
+        srows = self.scale_rows(rows)
+        return self.replace(
+            codes=scatter_rows(self.codes, rows, q["codes"]),
+            scale=scatter_rows(self.scale, srows, q["scale"]),
+            mn=scatter_rows(self.mn, srows, q["mn"]),
+        )
 
-
-def _write_store(store: QuantStore, layer, first_row: jax.Array, x: jax.Array, write: jax.Array):
-    """Quantizes `x [batch, kv_heads, n, head_dim]` and writes it at tokens `[first_row, first_row + n)` where `write`.
-
-    Returns the new store and a per-sequence overflow flag `[batch]`.
-    """
-    codes, scale, mn = store.quantize(x)
-    n = x.shape[2]
-    max_tokens = store.codes.shape[3]
-    rows = jnp.where(write, first_row, max_tokens)[:, None] + jnp.arange(n)[None, :]  # [batch, n]
-    if store.axis == "channel":
-        g = store.group_size
-        scale_rows = jnp.where(write, first_row // g, max_tokens // g)[:, None] + jnp.arange(n // g)[None, :]
-    else:
-        scale_rows = rows
-    new = store.replace(
-        codes=_write_rows(store.codes, layer, rows, codes),
-        scale=_write_rows(store.scale, layer, scale_rows, scale),
-        mn=_write_rows(store.mn, layer, scale_rows, mn),
-    )
-    bad = ~(jnp.all(jnp.isfinite(scale), axis=(1, 2, 3)) & jnp.all(jnp.isfinite(mn), axis=(1, 2, 3)))
-    return new, bad & write
+    def write_prefix(self, q: dict) -> "QuantStore":
+        return self.replace(
+            codes=write_prefix(self.codes, q["codes"]),
+            scale=write_prefix(self.scale, q["scale"]),
+            mn=write_prefix(self.mn, q["mn"]),
+        )
 
 
-def _fill_store(store: QuantStore, layer, x: jax.Array, end: jax.Array):
-    """Quantizes the prompt `x [batch, kv_heads, tokens, head_dim]` (tokens a multiple of G) up to `end [batch]`.
-
-    Everything at or past `end` stays zero, as it would after the same tokens were appended one at a time.
-    """
-    codes, scale, mn = store.quantize(x)
-    n = x.shape[2]
+def _zero_beyond(q: dict, store: QuantStore, end: jax.Array) -> dict:
+    """Quantized prompt rows with everything at or past token `end [batch]` zeroed (as if never written)."""
+    n = q["codes"].shape[2]
     keep = jnp.arange(n)[None, :] < end[:, None]  # [batch, tokens]
-    codes = jnp.where(keep[:, None, :, None], codes, jnp.zeros((), codes.dtype))
     if store.axis == "channel":
         g = store.group_size
         keep_s = (jnp.arange(n // g)[None, :] + 1) * g <= end[:, None]
     else:
         keep_s = keep
-    scale = jnp.where(keep_s[:, None, :, None], scale, jnp.zeros((), scale.dtype))
-    mn = jnp.where(keep_s[:, None, :, None], mn, jnp.zeros((), mn.dtype))
-    at = (layer, 0, 0, 0, 0)
-    new = store.replace(
-        codes=jax.lax.dynamic_update_slice(store.codes, codes[None], at),
-        scale=jax.lax.dynamic_update_slice(store.scale, scale[None], at),
-        mn=jax.lax.dynamic_update_slice(store.mn, mn[None], at),
-    )
-    bad = ~(jnp.all(jnp.isfinite(scale), axis=(1, 2, 3)) & jnp.all(jnp.isfinite(mn), axis=(1, 2, 3)))
-    return new, bad
+
+    def zero(x, k):
+        return jnp.where(k[:, None, :, None], x, jnp.zeros((), x.dtype))
+
+    return {"codes": zero(q["codes"], keep), "scale": zero(q["scale"], keep_s), "mn": zero(q["mn"], keep_s),
+            "bad": q["bad"]}
 
 
 @struct.dataclass
 class KIVICache:
     """The KIVI cache of DESIGN §2: quantized keys and values, a full-precision residual ring, one length counter.
 
-    Keys `[0, k.quantized_end)` and values `[0, v.quantized_end)` are read from the quantized stores; the ring slot
-    `t % R` holds token t's key and value for the newest R tokens.
+    Keys `[0, k.quantized_end)` and values `[0, v.quantized_end)` are read from the quantized stores; ring slot `t % R`
+    holds token t's key and value for the newest R tokens.
     """
 
     k: QuantStore
@@ -260,7 +264,7 @@ class KIVICache:
 
     @property
     def max_tokens(self) -> int:
-        return self.k.codes.shape[3]
+        return self.k.max_tokens
 
     @property
     def residual(self) -> int:
@@ -271,82 +275,93 @@ class KIVICache:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
     def prefill_attend(self, layer, q, k, v, num_new, window):
+        """Full-precision attention over the prompt; the update holds the prompt quantized as if appended one by one."""
         check_prefill_fits(k.shape[1], self.max_tokens)
         out = causal_attention(q, k, v, num_new, window)
+        return out, self.prompt_update(stored_layout(k, num_new, self.k_ring.dtype),
+                                       stored_layout(v, num_new, self.v_ring.dtype), num_new)
+
+    def prompt_update(self, k: jax.Array, v: jax.Array, num_new: jax.Array) -> dict:
+        """One layer's filled state from a prompt `[batch, kv_heads, tokens, head_dim]` of `num_new [batch]` tokens:
+        keys and values quantized up to their quantized ends, the ring holding the newest R tokens."""
         r = self.residual
-        n_tok = k.shape[1]
-        padded = -(-n_tok // r) * r  # the prompt rounded up to whole R-blocks (fits: max_tokens is a multiple of R)
-        dtype = self.k_ring.dtype
-
-        def prepare(x):  # [batch, tokens, kv_heads, head_dim] -> [batch, kv_heads, padded, head_dim], padding zero
-            x = zero_padding(x, num_new).astype(dtype).transpose(0, 2, 1, 3)
-            return jnp.pad(x, ((0, 0), (0, 0), (0, padded - n_tok), (0, 0)))
-
-        kx, vx = prepare(k), prepare(v)
-        k_store, k_bad = _fill_store(self.k, layer, kx, self.k.quantized_end(num_new, r))
-        v_store, v_bad = _fill_store(self.v, layer, vx, self.v.quantized_end(num_new, r))
+        n_tok = k.shape[2]
+        padded = -(-n_tok // r) * r  # whole R-blocks (fits: max_tokens is a multiple of R)
+        pad = ((0, 0), (0, 0), (0, padded - n_tok), (0, 0))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
         held = attention.ring_tokens(num_new, r)  # [batch, R]
-        idx = jnp.maximum(held, 0)[:, None, :, None]
+        idx = jnp.broadcast_to(jnp.maximum(held, 0)[:, None, :, None], k.shape[:2] + (r, k.shape[3]))
 
         def ring(x):
-            x = jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape[2:]), axis=2)
-            return jnp.where((held >= 0)[:, None, :, None], x, jnp.zeros((), dtype))[None]
+            x = jnp.take_along_axis(x, idx, axis=2)
+            return jnp.where((held >= 0)[:, None, :, None], x, jnp.zeros((), x.dtype))
 
-        at = (layer, 0, 0, 0, 0)
-        return out, self.replace(
-            k=k_store,
-            v=v_store,
-            k_ring=jax.lax.dynamic_update_slice(self.k_ring, ring(kx), at),
-            v_ring=jax.lax.dynamic_update_slice(self.v_ring, ring(vx), at),
-            overflow=self.overflow | k_bad | v_bad,
-        )
+        return {
+            "prefill_k": _zero_beyond(self.k.quantize(k), self.k, self.k.quantized_end(num_new, r)),
+            "prefill_v": _zero_beyond(self.v.quantize(v), self.v, self.v.quantized_end(num_new, r)),
+            "k_ring": ring(k),
+            "v_ring": ring(v),
+        }
 
     def decode_attend(self, layer, q, k, v, window):
-        out = attention.decode_kivi(
-            self.impl,
-            q,
-            self.k.layer(layer),
-            self.v.layer(layer),
-            self.k_ring[layer],
-            self.v_ring[layer],
-            self.length,
-            k,
-            v,
-            window,
-        )
-        return out, self.append(layer, k[:, 0], v[:, 0])
+        """Attention over the cache as it stands plus the new token (KIVI's order); the update appends the token."""
+        k_ring, v_ring = self.k_ring[layer], self.v_ring[layer]
+        out = attention.decode_kivi(self.impl, q, self.k, self.v, layer, k_ring, v_ring, self.length, k, v, window)
+        return out, self.append_update(k_ring, v_ring, k[:, 0], v[:, 0])
 
-    def append(self, layer, k: jax.Array, v: jax.Array) -> "KIVICache":
-        """Appends one token's key and value `[batch, kv_heads, head_dim]` at position `length` in one layer.
+    def append_update(self, k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array) -> dict:
+        """One layer's rows to write when token t = length arrives (`k`, `v` `[batch, kv_heads, head_dim]`).
 
-        A per-token store first quantizes the token leaving the ring (t - R); the new token then takes ring slot t % R;
-        a per-channel store quantizes the whole ring once `t + 1` is a multiple of R. `length` moves in `advance`.
+        A per-token store quantizes the token leaving the ring (t - R, ring slot t % R); a per-channel store quantizes
+        the ring with the new token in its slot, which is written only when t + 1 completes an R-block.
         """
         r = self.residual
-        t = self.length
-        slot = jnp.mod(t, r)
-        stores, bad = {}, self.overflow
-        rings = {"k": self.k_ring, "v": self.v_ring}
-        for name, store in (("k", self.k), ("v", self.v)):
+        slot = jnp.mod(self.length, r)  # [batch]
+        in_slot = (jnp.arange(r)[None, :] == slot[:, None])[:, None, :, None]  # [batch, 1, R, 1]
+        update = {"k_new": k[:, :, None, :], "v_new": v[:, :, None, :]}
+        for name, store, ring, new in (("k", self.k, k_ring, k), ("v", self.v, v_ring, v)):
             if store.axis == "token":
-                leaving = jnp.take_along_axis(rings[name][layer], slot[:, None, None, None], axis=2)
-                store, b = _write_store(store, layer, t - r, leaving, t >= r)
-                bad = bad | b
-            stores[name] = store
-        k_ring = _write_rows(self.k_ring, layer, slot[:, None], k[:, :, None, :])
-        v_ring = _write_rows(self.v_ring, layer, slot[:, None], v[:, :, None, :])
-        new_rings = {"k": k_ring, "v": v_ring}
-        flush = jnp.mod(t + 1, r) == 0
-        for name in ("k", "v"):
-            store = stores[name]
-            if store.axis == "channel":
-                store, b = _write_store(store, layer, t + 1 - r, new_rings[name][layer], flush)
-                bad = bad | b
-            stores[name] = store
-        return self.replace(k=stores["k"], v=stores["v"], k_ring=k_ring, v_ring=v_ring, overflow=bad)
+                leaving = jnp.take_along_axis(ring, slot[:, None, None, None], axis=2)  # [batch, kv_heads, 1, head_dim]
+                update[name] = store.quantize(leaving)
+            else:
+                update[name] = store.quantize(jnp.where(in_slot, new[:, :, None, :].astype(ring.dtype), ring))
+        return update
 
-    def advance(self, num_new):
-        return self.replace(length=self.length + num_new.astype(jnp.int32))
+    def commit(self, updates: dict, num_new: jax.Array) -> "KIVICache":
+        """Writes every layer's update (stacked on a leading layer axis) and advances `length` by `num_new`."""
+        r = self.residual
+        if "prefill_k" in updates:
+            pk, pv = updates["prefill_k"], updates["prefill_v"]
+            bad = jnp.any(pk["bad"], axis=(0, 2)) | jnp.any(pv["bad"], axis=(0, 2))
+            return self.replace(
+                k=self.k.write_prefix(pk),
+                v=self.v.write_prefix(pv),
+                k_ring=write_prefix(self.k_ring, updates["k_ring"]),
+                v_ring=write_prefix(self.v_ring, updates["v_ring"]),
+                length=self.length + num_new.astype(jnp.int32),
+                overflow=self.overflow | bad,
+            )
+        t = self.length
+        stores, bad = {}, self.overflow
+        for name, store in (("k", self.k), ("v", self.v)):
+            if store.axis == "token":  # row t - R, once t >= R
+                write, first = t >= r, t - r
+            else:  # the block [t + 1 - R, t + 1), once t + 1 is a multiple of R
+                write, first = jnp.mod(t + 1, r) == 0, t + 1 - r
+            q = updates[name]
+            n = q["codes"].shape[3]
+            rows = jnp.where(write, first, store.max_tokens)[:, None] + jnp.arange(n)[None, :]
+            stores[name] = store.write_rows(rows, q)
+            bad = bad | (write & jnp.any(q["bad"], axis=(0, 2)))
+        slot = jnp.mod(t, r)[:, None]
+        return self.replace(
+            k=stores["k"],
+            v=stores["v"],
+            k_ring=scatter_rows(self.k_ring, slot, updates["k_new"]),
+            v_ring=scatter_rows(self.v_ring, slot, updates["v_new"]),
+            length=t + num_new.astype(jnp.int32),
+            overflow=bad,
+        )
 
 
 def kivi_cache_bytes(
@@ -367,6 +382,7 @@ def kivi_cache_bytes(
 
 
 def full_cache_bytes(cfg: LlamaConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
+    """Bytes of a full-precision cache: keys and values in the compute dtype plus the length counter."""
     return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 4 * batch
 
 

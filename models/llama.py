@@ -168,12 +168,12 @@ class _NoCache:
         self.length = jnp.zeros((batch,), jnp.int32)
 
     def prefill_attend(self, layer, q, k, v, num_new, window):
-        return causal_attention(q, k, v, num_new, window), self
+        return causal_attention(q, k, v, num_new, window), None
 
     def decode_attend(self, layer, q, k, v, window):
-        return causal_attention(q, k, v, jnp.ones(q.shape[:1], jnp.int32), window), self
+        return causal_attention(q, k, v, jnp.ones(q.shape[:1], jnp.int32), window), None
 
-    def advance(self, num_new):
+    def commit(self, updates, num_new):
         return self
 
 
@@ -203,8 +203,7 @@ def forward(
     inv_freq = rope_inv_freq(cfg)
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def layer_step(carry, xs):
-        x, cache = carry
+    def layer_step(x, xs):
         lp, layer = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q = (h @ lp.wq).reshape(batch, n_tok, heads, head_dim)
@@ -212,26 +211,19 @@ def forward(
         v = (h @ lp.wv).reshape(batch, n_tok, kv_heads, head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if n_tok == 1:
-            attn, cache = cache.decode_attend(layer, q, k, v, cfg.sliding_window)
+            attn, update = cache.decode_attend(layer, q, k, v, cfg.sliding_window)
         else:
-            attn, cache = cache.prefill_attend(layer, q, k, v, num_new, cfg.sliding_window)
+            attn, update = cache.prefill_attend(layer, q, k, v, num_new, cfg.sliding_window)
         x = x + attn.reshape(batch, n_tok, heads * head_dim) @ lp.wo
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
-        return (x, cache), None
+        return x, update
 
     x = params.embed[tokens].astype(dtype)  # [batch, tokens, hidden]
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if isinstance(cache, _NoCache):
-        # A plain Python object cannot ride in the scan carry; it holds no arrays that change, so close over it.
-        def body(x, xs):
-            (x, _), _ = layer_step((x, cache), xs)
-            return x, None
-
-        x, _ = jax.lax.scan(body, x, (params.layers, layer_ids))
-    else:
-        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (params.layers, layer_ids))
-        cache = cache.advance(num_new)
+    # The cache is only read inside the loop; every layer's update comes out stacked and is written once after it.
+    x, updates = jax.lax.scan(layer_step, x, (params.layers, layer_ids))
+    cache = cache.commit(updates, num_new)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)  # [batch, 1, hidden]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
