@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-BLOCK_TOKENS = 512  # tokens per block of the XLA path's loop
+BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -156,49 +156,74 @@ def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, bl
 # KIVI: scores and weighted values straight from codes, scales and mins folded in (never a dequantized cache)
 
 
-def _unpacked(store) -> jax.Array:
-    """float32 codes `[batch, kv_heads, tokens, head_dim]` of a one-layer store block."""
-    from kivi_jax.quant import unpack
+def code_slabs(store) -> list[jax.Array]:
+    """The planar slabs of a store block: slab i is float32 `[batch, kv_heads, tokens, D/p]` holding channels
+    `[i*D/p, (i+1)*D/p)`, unpacked with one shift and one mask (no interleaving, no concatenation)."""
+    p = 8 // store.bits
+    mask = jnp.uint8(2**store.bits - 1)
+    return [((store.codes >> (store.bits * i)) & mask).astype(jnp.float32) for i in range(p)]
 
-    return unpack(store.codes, store.bits).astype(jnp.float32)
+
+def channel_pieces(head_dim: int, bits: int, group_size: int) -> list[tuple[int, int, int, int]]:
+    """Channel ranges that lie in one slab and one per-token group: (slab, first column in slab, width, group)."""
+    width = head_dim // (8 // bits)
+    piece = min(width, group_size)
+    return [(c // width, c % width, piece, c // group_size) for c in range(0, head_dim, piece)]
 
 
 def quantized_scores(q: jax.Array, store) -> jax.Array:
-    """q `[batch, kv_heads, n_rep, head_dim]` against the keys of a store block -> `[batch, kv_heads, n_rep, tokens]`."""
-    codes = _unpacked(store)
-    batch, kv_heads, tokens, head_dim = codes.shape
+    """q `[batch, kv_heads, n_rep, head_dim]` against the keys of a store block -> `[batch, kv_heads, n_rep, tokens]`.
+
+    Per-channel keys fold their scale into q (one scaled q per token group); per-token keys scale the partial dots.
+    """
+    slabs = code_slabs(store)
+    batch, kv_heads, tokens, width = slabs[0].shape
+    head_dim = width * len(slabs)
     g = store.group_size
     scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
-    if store.axis == "channel":  # scale, mn [batch, kv_heads, tokens // G, head_dim]: fold the scale into q
+    if store.axis == "channel":  # scale, mn [batch, kv_heads, tokens // G, head_dim]
         q_scaled = q[:, :, :, None, :] * scale[:, :, None]  # [batch, kv_heads, n_rep, groups, head_dim]
-        grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
-        scores = jnp.einsum("bhrgd,bhgtd->bhrgt", q_scaled, grouped)
-        bias = jnp.einsum("bhrd,bhgd->bhrg", q, mn)
-        return (scores + bias[..., None]).reshape(q.shape[:3] + (tokens,))
-    # per-token: scale, mn [batch, kv_heads, tokens, head_dim // G]: scale the per-group partial dots
-    qg = q.reshape(q.shape[:3] + (head_dim // g, g))  # [batch, kv_heads, n_rep, groups, G]
-    grouped = codes.reshape(batch, kv_heads, tokens, head_dim // g, g)
-    partial = jnp.einsum("bhrgc,bhtgc->bhrtg", qg, grouped)
-    return jnp.einsum("bhrtg,bhtg->bhrt", partial, scale) + jnp.einsum("bhrg,bhtg->bhrt", qg.sum(-1), mn)
+        scores = jnp.einsum("bhrd,bhgd->bhrg", q, mn)[..., None]  # the mins' part, per group
+        for i, slab in enumerate(slabs):
+            grouped = slab.reshape(batch, kv_heads, tokens // g, g, width)
+            scores = scores + jnp.einsum("bhgtj,bhrgj->bhrgt", grouped, q_scaled[..., i * width : (i + 1) * width])
+        return scores.reshape(q.shape[:3] + (tokens,))
+    # per-token: scale, mn [batch, kv_heads, tokens, head_dim // G]
+    q_sums = q.reshape(q.shape[:3] + (head_dim // g, g)).sum(-1)  # [batch, kv_heads, n_rep, groups]
+    scores = jnp.einsum("bhrg,bhtg->bhrt", q_sums, mn)
+    for slab_i, col, n, grp in channel_pieces(head_dim, store.bits, g):
+        dots = jnp.einsum("bhrj,bhtj->bhrt", q[..., slab_i * width + col : slab_i * width + col + n],
+                          slabs[slab_i][..., col : col + n])
+        scores = scores + dots * scale[:, :, None, :, grp]
+    return scores
 
 
 def quantized_values(p: jax.Array, store) -> jax.Array:
-    """Probabilities `[batch, kv_heads, n_rep, tokens]` times a store block's values -> `[..., n_rep, head_dim]`."""
-    codes = _unpacked(store)
-    batch, kv_heads, tokens, head_dim = codes.shape
+    """Probabilities `[batch, kv_heads, n_rep, tokens]` times a store block's values -> `[..., n_rep, head_dim]`.
+
+    Per-token values fold their scale into p (one scaled p per channel group); per-channel values scale the partial
+    sums of each token group.
+    """
+    slabs = code_slabs(store)
+    batch, kv_heads, tokens, width = slabs[0].shape
+    head_dim = width * len(slabs)
     g = store.group_size
     scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
-    if store.axis == "token":  # scale, mn [batch, kv_heads, tokens, head_dim // G]: fold the scale into p
-        p_scaled = p[..., None] * scale[:, :, None]  # [batch, kv_heads, n_rep, tokens, groups]
-        grouped = codes.reshape(batch, kv_heads, tokens, head_dim // g, g)
-        acc = jnp.einsum("bhrtg,bhtgc->bhrgc", p_scaled, grouped)
-        acc = acc + jnp.einsum("bhrt,bhtg->bhrg", p, mn)[..., None]
-        return acc.reshape(p.shape[:3] + (head_dim,))
-    # per-channel: scale, mn [batch, kv_heads, tokens // G, head_dim]: scale the per-group partial sums
+    if store.axis == "token":  # scale, mn [batch, kv_heads, tokens, head_dim // G]
+        mins = jnp.repeat(jnp.einsum("bhrt,bhtg->bhrg", p, mn), g, axis=-1)  # [batch, kv_heads, n_rep, head_dim]
+        pieces = [
+            jnp.einsum("bhrt,bhtj->bhrj", p * scale[:, :, None, :, grp], slabs[slab_i][..., col : col + n])
+            for slab_i, col, n, grp in channel_pieces(head_dim, store.bits, g)
+        ]
+        return jnp.concatenate(pieces, axis=-1) + mins
+    # per-channel: scale, mn [batch, kv_heads, tokens // G, head_dim]
     pg = p.reshape(p.shape[:3] + (tokens // g, g))  # [batch, kv_heads, n_rep, groups, G]
-    grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
-    partial = jnp.einsum("bhrgt,bhgtd->bhrgd", pg, grouped)
-    return jnp.einsum("bhrgd,bhgd->bhrd", partial, scale) + jnp.einsum("bhrg,bhgd->bhrd", pg.sum(-1), mn)
+    acc = jnp.einsum("bhrg,bhgd->bhrd", pg.sum(-1), mn)
+    parts = []
+    for i, slab in enumerate(slabs):
+        sums = jnp.einsum("bhrgt,bhgtj->bhrgj", pg, slab.reshape(batch, kv_heads, tokens // g, g, width))
+        parts.append(jnp.einsum("bhrgj,bhgj->bhrj", sums, scale[..., i * width : (i + 1) * width]))
+    return acc + jnp.concatenate(parts, axis=-1)
 
 
 def ring_tokens(length: jax.Array, residual: int) -> jax.Array:
