@@ -119,6 +119,14 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def add_eval_parser(sub) -> None:
+    """`kivi-jax eval ppl | ablate | errors`: quality through the cache (kivi_jax.evaluate)."""
+
+
+def add_bench_parser(sub) -> None:
+    """`kivi-jax bench decode | memory | generate`: speed and memory (kivi_jax.bench)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kivi-jax", description="Llama/Mistral inference with a KIVI-quantized KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output directory (must not exist)")
     c.add_argument("--dtype", choices=DTYPES, default=None, help="stored dtype (default float32)")
     c.set_defaults(func=cmd_convert)
+
+    add_eval_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
