@@ -7,7 +7,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -319,7 +319,3 @@ def generate(model, prompt, **kwargs) -> Generation:
         prefill_seconds=session.result["prefill_seconds"],
         overflow=session.result["overflow"],
     )
-
-
-def decode_text(tokenizer, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -94,3 +94,19 @@ def test_bad_input_is_answered_clearly(tiny_models):
         kivi_jax.generate(model, [5, TINY_VOCAB + 7], max_new_tokens=4)
     with pytest.raises(ValueError, match="bad cache spec"):
         kivi_jax.generate(model, "hi", cache="k3v2")
+
+
+def test_kivi_generation_warns_when_float16_scales_overflow(tiny_models):
+    model, _ = tiny_models["llama_mha"]
+    # Keys beyond float16's range: scale the key projection so |k| ~ 1e6.
+    params = model.params.replace(layers=model.params.layers.replace(wk=model.params.layers.wk * 1e7))
+    p = prompts(4, [40])[0]
+    with pytest.warns(RuntimeWarning, match="overflowed float16.*-sf32"):
+        gen = kivi_jax.generate(params, p, max_new_tokens=4, cache="k2v2-g16-r32", stop_at_eos=False)
+    assert gen.overflow
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        safe = kivi_jax.generate(params, p, max_new_tokens=4, cache="k2v2-g16-r32-sf32", stop_at_eos=False)
+    assert not safe.overflow
