@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## The two commands", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.+?)\n```", section)
+    return [c.strip() for c in re.findall(r"```bash\n(.+?)\n *```", section)]
 
 
 def test_readme_has_exactly_two_commands_and_ci_runs_the_second():
