@@ -62,6 +62,11 @@ def stacked(x: jax.Array, layer) -> jax.Array:
     return x[None] if layer is None else x
 
 
+def static_window(window) -> int | None:
+    """The sliding window as a Python int (it shapes the kernel; a traced value cannot)."""
+    return None if window is None else int(window)
+
+
 def combine(m: jax.Array, l: jax.Array, acc: jax.Array, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
             sm_scale: float, dtype) -> jax.Array:
     """Merges split partials with the new token and normalizes.

@@ -112,6 +112,7 @@ def decode(q, k, v, layer, length, k_new, v_new, window: int | None = None, *, n
     position length. `interpret=None`: the real kernel on GPU, interpret mode elsewhere.
     Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
     """
+    window = fd.static_window(window)
     k, v = fd.stacked(k, layer), fd.stacked(v, layer)
     m, l, acc = partials(fd.grouped_queries(q, k.shape[2]), k, v, layer, length, window=window,
                          num_splits=num_splits, block_tokens=block_tokens, interpret=fd.interpret_default(interpret))

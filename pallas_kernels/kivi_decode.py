@@ -246,6 +246,7 @@ def decode(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, la
     The compute dtype is the rings' dtype (dots take it as input, accumulate in float32). `interpret=None`: the real
     kernel on GPU, interpret mode elsewhere. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
     """
+    window = fd.static_window(window)
     arrays = [fd.stacked(x, layer) for x in (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)]
     kv_heads, head_dim = arrays[0].shape[2], q.shape[-1]
     m, l, acc = partials(

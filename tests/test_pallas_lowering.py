@@ -14,7 +14,12 @@ TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")  # the custom-call
 
 
 def lowered_for_cuda(fn, *args) -> str:
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    try:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:  # jaxlibs after 0.10.2 compile the Triton IR while lowering: that needs CUDA's plugin
+        if "Triton compilation handler" in str(e):
+            pytest.skip(f"this jaxlib compiles Triton kernels at lowering time, which needs the CUDA plugin: {e}")
+        raise
     assert any(t in text for t in TRITON_CALLS), "no Triton kernel in the CUDA lowering"
     return text
 
