@@ -176,7 +176,7 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
         m, l, acc = carry
         slots = c * g + jnp.arange(g)
         tok, quantized = ring_slot_tokens(length, slots, residual)
-        valid = (tok >= 0) & (tok >= lo)
+        valid = tok >= lo  # lo >= 0: never-written slots (tok < 0) are out
         row = flushed_row + c * g
         s_quant = key_scores(row, lax.div(row, g))
         ring_k = kr_ref[layer, b, h, pl.ds(c * g, g), :]  # [G, D]
@@ -317,7 +317,7 @@ def reference(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring,
     # Residual segment: ring slots, keys already flushed read from the last quantized key block.
     slots = jnp.arange(residual)
     tok, quantized = ring_slot_tokens(length[:, None], slots[None, :], residual)  # [batch, R]
-    ring_valid = (tok >= 0) & (tok >= lo[:, None])
+    ring_valid = tok >= lo[:, None]  # lo >= 0: never-written slots (tok < 0) are out
     row0 = jnp.maximum(length // residual - 1, 0) * residual  # [batch]
     rows = row0[:, None] + slots[None, :]
     take = lambda x, r: jnp.take_along_axis(x, r[:, None, :, None], axis=2)
