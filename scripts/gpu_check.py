@@ -49,13 +49,13 @@ SHIPPED = [(kb, vb, g, d) for kb in (2, 4) for vb in (2, 4) for d in (64, 128) f
 HOST_LIMIT = 16 << 20  # arrays up to this size are drawn on the host in full
 
 
-def filled(key, shape, dtype, low=None, high=None):
+def filled(seed: int, shape, dtype, low=None, high=None):
     """A device array of `shape`: drawn in full on the host when small, else a random block of 4096 token rows
     (axis -2) tiled on the device, so that no float32 copy of a large array is ever built."""
     dtype = jnp.dtype(dtype)
     rows = shape[-2] if math.prod(shape) * dtype.itemsize <= HOST_LIMIT else min(shape[-2], 4096)
     lead = shape[:-2] if rows == shape[-2] else ()
-    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    rng = np.random.default_rng(seed)
     block_shape = lead + (rows, shape[-1])
     if jnp.issubdtype(dtype, jnp.integer):
         block = rng.integers(low or 0, high or 256, block_shape)
@@ -69,32 +69,31 @@ def filled(key, shape, dtype, low=None, high=None):
     return jax.jit(lambda b: jnp.broadcast_to(jnp.tile(b, (shape[-2] // rows, 1)), shape))(block)
 
 
-def kivi_inputs(key, batch, kv_heads, q_heads, head_dim, tokens, k_bits, v_bits, group, dtype):
+def kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, k_bits, v_bits, group, dtype):
     """Random KIVI cache arrays (one layer) and the new token: the kernel's arguments after q."""
-    keys = iter(jax.random.split(key, 12))
     lead = (batch, kv_heads)
-    cache = (
-        filled(next(keys), lead + (tokens, head_dim * k_bits // 8), jnp.uint8),
-        filled(next(keys), lead + (tokens // group, head_dim), jnp.float16, 0.05, 1.0),
-        filled(next(keys), lead + (tokens // group, head_dim), jnp.float16, -2.0, 0.0),
-        filled(next(keys), lead + (tokens, head_dim * v_bits // 8), jnp.uint8),
-        filled(next(keys), lead + (tokens, head_dim // group), jnp.float16, 0.02, 0.4),
-        filled(next(keys), lead + (tokens, head_dim // group), jnp.float16, -1.0, 0.0),
-        filled(next(keys), lead + (RESIDUAL, head_dim), dtype),
-        filled(next(keys), lead + (RESIDUAL, head_dim), dtype),
-    )
-    q = jax.random.normal(next(keys), (batch, 1, q_heads, head_dim)).astype(dtype)
-    new = [jax.random.normal(next(keys), (batch, 1, kv_heads, head_dim)).astype(dtype) for _ in range(2)]
+    shapes = [
+        (lead + (tokens, head_dim * k_bits // 8), jnp.uint8, None, None),
+        (lead + (tokens // group, head_dim), jnp.float16, 0.05, 1.0),
+        (lead + (tokens // group, head_dim), jnp.float16, -2.0, 0.0),
+        (lead + (tokens, head_dim * v_bits // 8), jnp.uint8, None, None),
+        (lead + (tokens, head_dim // group), jnp.float16, 0.02, 0.4),
+        (lead + (tokens, head_dim // group), jnp.float16, -1.0, 0.0),
+        (lead + (RESIDUAL, head_dim), dtype, None, None),
+        (lead + (RESIDUAL, head_dim), dtype, None, None),
+    ]
+    cache = tuple(filled(seed * 100 + i, *spec) for i, spec in enumerate(shapes))
+    q = filled(seed * 100 + 50, (batch, 1, q_heads, head_dim), dtype)
+    new = [filled(seed * 100 + 51 + i, (batch, 1, kv_heads, head_dim), dtype) for i in range(2)]
     return q, cache, new
 
 
-def full_inputs(key, batch, kv_heads, q_heads, head_dim, tokens, dtype, layout="bhtd"):
+def full_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, layout="bhtd"):
     """A random full-precision cache (one layer, `[batch, kv_heads, tokens, D]` or `[batch, tokens, kv_heads, D]`)."""
-    keys = jax.random.split(key, 5)
     shape = (batch, kv_heads, tokens, head_dim) if layout == "bhtd" else (batch, tokens, kv_heads, head_dim)
-    k, v = filled(keys[0], shape, dtype), filled(keys[1], shape, dtype)
-    q = jax.random.normal(keys[2], (batch, 1, q_heads, head_dim)).astype(dtype)
-    new = [jax.random.normal(kk, (batch, 1, kv_heads, head_dim)).astype(dtype) for kk in keys[3:]]
+    k, v = filled(seed * 100, shape, dtype), filled(seed * 100 + 1, shape, dtype)
+    q = filled(seed * 100 + 2, (batch, 1, q_heads, head_dim), dtype)
+    new = [filled(seed * 100 + 3 + i, (batch, 1, kv_heads, head_dim), dtype) for i in range(2)]
     return q, k, v, new
 
 
@@ -123,7 +122,7 @@ def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
         cases = [(SHIPPED[0], "bfloat16", 200)]
     rows = []
     for (kb, vb, g, d), dtype, window in cases:
-        q, cache, (k_new, v_new) = kivi_inputs(jax.random.PRNGKey(kb * 100 + vb * 10 + g + d), batch, kv_heads,
+        q, cache, (k_new, v_new) = kivi_inputs(kb * 1000 + vb * 100 + g + d, batch, kv_heads,
                                                q_heads, d, tokens, kb, vb, g, jnp.dtype(dtype))
         kw = dict(k_bits=kb, v_bits=vb, group_size=g, window=window)
         args = (q, *cache, None, length, k_new, v_new)
@@ -134,7 +133,7 @@ def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
                          tol=tol[dtype], ok=bool(err <= tol[dtype])))
     full_cases = ((64, "bfloat16", None), (128, "bfloat16", 300), (128, "float32", None))
     for d, dtype, window in full_cases[1:2] if smoke else full_cases:
-        q, k, v, (k_new, v_new) = full_inputs(jax.random.PRNGKey(d), batch, kv_heads, q_heads, d, tokens,
+        q, k, v, (k_new, v_new) = full_inputs(d, batch, kv_heads, q_heads, d, tokens,
                                               jnp.dtype(dtype))
         args = (q, k, v, None, length, k_new, v_new)
         out = compiled(lambda *a: full_decode.decode(*a, window, interpret=interpret), args, smoke)(*args)
@@ -143,7 +142,7 @@ def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
         rows.append(dict(kernel="full", config=f"d{d}", dtype=dtype, window=window, max_err=err, tol=tol[dtype],
                          ok=bool(err <= tol[dtype])))
     # dot_product_attention over the same cache with the new token written at position `length`
-    q, k, v, (k_new, v_new) = full_inputs(jax.random.PRNGKey(7), batch, kv_heads, q_heads, 128, tokens, jnp.bfloat16)
+    q, k, v, (k_new, v_new) = full_inputs(7, batch, kv_heads, q_heads, 128, tokens, jnp.bfloat16)
     ref = jax.jit(full_decode.reference)(q, k, v, None, length, k_new, v_new)
     at = jnp.arange(tokens)[None, None, :, None] == length[:, None, None, None]
     k1, v1 = jnp.where(at, k_new[:, 0, :, None], k), jnp.where(at, v_new[:, 0, :, None], v)
@@ -177,7 +176,7 @@ def median_seconds(fn, args, warmup: int, repeats: int, inner: int, smoke: bool 
 
 def stream_gbps(nbytes: int, repeats: int) -> float:
     """Measured device bandwidth of a read-and-write pass over `nbytes` (a ceiling the kernels can be held to)."""
-    x = filled(jax.random.PRNGKey(0), (nbytes // 2 // 4096, 4096), jnp.float16)
+    x = filled(0, (nbytes // 2 // 4096, 4096), jnp.float16)
     seconds, _ = median_seconds(lambda x: x * 2, (x,), 2, repeats, 5)
     return 2 * x.nbytes / seconds / 1e9
 
@@ -200,7 +199,7 @@ def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str
                 point = dict(model=model, tokens=tokens, batch=batch)
                 length = jnp.full((batch,), tokens - 1, jnp.int32)
                 full_bytes = full_decode.bytes_read(batch, kv_heads, tokens, head_dim, dtype.itemsize)
-                key = jax.random.PRNGKey(tokens + batch)
+                key = tokens + batch
                 base = {}
                 methods = [("pallas-fp16", "full"), ("sdpa-fp16", "sdpa")] + [(n, n) for n in TIMED_KIVI]
                 for name, kind in methods:
@@ -310,7 +309,7 @@ def main(argv=None) -> int:
         return 2
     device = jax.devices()[0]
     correctness = [] if args.skip_correctness else check_correctness(args.smoke, interpret)
-    stream = stream_gbps((64 << 20) if args.smoke else (4 << 30), 2 if args.smoke else 5)
+    stream = stream_gbps((8 << 20) if args.smoke else (4 << 30), 2 if args.smoke else 5)
     rows, skipped = timing(args, interpret, start + args.budget_s)
     report = dict(
         device=getattr(device, "device_kind", str(device)), platform=device.platform, jax=jax.__version__,

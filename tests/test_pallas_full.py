@@ -1,18 +1,13 @@
 """The full-precision decode kernel in interpret mode equals its jnp twin and the XLA path (ragged lengths, windows,
-caches that are not a multiple of the block); the dot_product_attention baseline agrees; `generate` with the kernel
-gives the XLA path's greedy tokens."""
-
-import warnings
+caches that are not a multiple of the block); the dot_product_attention baseline agrees. (`generate` with it:
+test_pallas_cli.py.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kivi_jax
 from kivi_jax import attention
-from models.config import LlamaConfig
-from models.llama import init_params
 from pallas_kernels import full_decode
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -78,22 +73,3 @@ def test_unsupported_shapes_fall_back_to_xla():
     assert full_decode.unsupported(64, 256) is None
     assert "head_dim" in full_decode.unsupported(48, 256)
     assert "multiple of 16" in full_decode.unsupported(64, 72)
-
-
-def test_generate_with_the_kernel_gives_the_xla_greedy_tokens(monkeypatch):
-    calls = []
-    real = full_decode.decode
-    monkeypatch.setattr(full_decode, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=64, sliding_window=37)
-    params = init_params(cfg, jax.random.PRNGKey(3), std=0.2)
-    rng = np.random.RandomState(4)
-    prompts = [rng.randint(3, 128, n).tolist() for n in (9, 30)]
-    kw = dict(max_new_tokens=32, cache="full", stop_at_eos=False)
-    xla = kivi_jax.generate(params, prompts, attention_impl="xla", **kw).token_ids
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pallas = kivi_jax.generate(params, prompts, attention_impl="pallas", **kw).token_ids
-    assert calls
-    assert pallas == xla
-    assert len(set(xla[1])) > 5

@@ -18,7 +18,9 @@ from models.llama import init_params
 from pallas_kernels import kivi_decode
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
-FAST = {"xla_backend_optimization_level": 0}  # interpret mode compiles slowly; codegen speed does not matter here
+FAST = {"xla_backend_optimization_level": 0}
+CFG_64 = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64)  # interpret mode compiles slowly; codegen speed does not matter here
 
 
 def compiled(fn, *args):
@@ -58,10 +60,18 @@ def random_step(batch, q_heads, kv_heads, head_dim, dtype, seed):
     return q, k_new, v_new
 
 
+def one_layer(cache, layer: int):
+    """The cache's stores and rings cut to one layer (the `layer=None` form of the decode functions)."""
+    cut = lambda store: store.replace(codes=store.codes[layer], scale=store.scale[layer], mn=store.mn[layer])
+    return cache.replace(k=cut(cache.k), v=cut(cache.v), k_ring=cache.k_ring[layer], v_ring=cache.v_ring[layer])
+
+
 def three_ways(cache, q, k_new, v_new, layer, window, num_splits=None, tokens_per_step=None):
     """(kernel in interpret mode, jnp twin, XLA path, XLA path without the window) outputs as float32 numpy arrays,
-    one compilation."""
+    one compilation. `layer=None` passes arrays that hold that one layer (layer 0)."""
     kv = cache.config
+    if layer is None:
+        cache = one_layer(cache, 0)
 
     def run(cache, q, k_new, v_new, layer):
         arrays = (cache.k.codes, cache.k.scale, cache.k.mn, cache.v.codes, cache.v.scale, cache.v.mn,
@@ -71,13 +81,12 @@ def three_ways(cache, q, k_new, v_new, layer, window, num_splits=None, tokens_pe
         kernel = kivi_decode.decode(*args, **kw, num_splits=num_splits, interpret=True,
                                     tokens_per_step=tokens_per_step or kivi_decode.TOKENS_PER_STEP)
         twin = kivi_decode.reference(*args, **kw)
-        xla = attention.decode_kivi_xla(q, cache.k, cache.v, layer, cache.k_ring[layer], cache.v_ring[layer],
-                                        cache.length, k_new, v_new, window)
-        unwindowed = attention.decode_kivi_xla(q, cache.k, cache.v, layer, cache.k_ring[layer],
-                                               cache.v_ring[layer], cache.length, k_new, v_new, None)
+        rings = (cache.k_ring, cache.v_ring) if layer is None else (cache.k_ring[layer], cache.v_ring[layer])
+        xla = attention.decode_kivi_xla(q, cache.k, cache.v, layer, *rings, cache.length, k_new, v_new, window)
+        unwindowed = attention.decode_kivi_xla(q, cache.k, cache.v, layer, *rings, cache.length, k_new, v_new, None)
         return kernel, twin, xla, unwindowed
 
-    args = (cache, q, k_new, v_new, jnp.int32(layer))
+    args = (cache, q, k_new, v_new, None if layer is None else jnp.int32(layer))
     return [np.asarray(x, np.float32) for x in compiled(run, *args)(*args)]
 
 
@@ -104,16 +113,17 @@ def test_float32_kernel_equals_twin_and_xla_for_every_shipped_combination(case):
     cache = random_cache(KIVIConfig(k_bits, v_bits, g, residual), batch, kv_heads, head_dim, max_tokens,
                          lengths(residual, max_tokens), jnp.float32, seed=case)
     q, k_new, v_new = random_step(batch, kv_heads * n_rep, kv_heads, head_dim, jnp.float32, seed=100 + case)
-    kernel, twin, xla, _ = three_ways(cache, q, k_new, v_new, layer=case % 2, window=None,
+    layer = (0, 1, None)[case % 3]  # stacked layers read in place, or arrays holding one layer
+    kernel, twin, xla, _ = three_ways(cache, q, k_new, v_new, layer=layer, window=None,
                                    num_splits=(None, 3)[case % 2], tokens_per_step=(g, 64)[case % 2])
     assert np.abs(kernel - twin).max() <= TOL[jnp.float32]
     assert np.abs(kernel - xla).max() <= TOL[jnp.float32]
     assert np.abs(xla).max() > 0.1  # a real output, not zeros on both sides
 
 
-# bfloat16 compute dtype (q, rings, new token; scales stay float16): a subset in which every bits value, group
-# size and head_dim appears (the Triton lowering test covers the whole matrix in both dtypes).
-BF16 = [(2, 2, 32, 64), (4, 2, 64, 128), (2, 4, 128, 128), (4, 4, 32, 128), (2, 4, 64, 64)]
+# bfloat16 compute dtype (q, rings, new token; scales stay float16): a subset in which every key bits, value bits,
+# group size and head_dim appears (the Triton lowering test covers the whole matrix in both dtypes).
+BF16 = [(2, 4, 32, 64), (4, 2, 64, 128), (2, 2, 128, 128)]
 
 
 @pytest.mark.parametrize("combo", BF16, ids=[f"k{kb}v{vb}-g{g}-d{d}" for kb, vb, g, d in BF16])
@@ -143,42 +153,23 @@ def test_sliding_window_is_masked_like_the_xla_path(dtype, window):
     assert np.abs(unwindowed - xla).max() > 10 * TOL[dtype]  # the window changed the answer
 
 
-def test_layer_none_takes_one_layer_arrays():
-    cache = random_cache(KIVIConfig(4, 2, 32, 64), 2, 2, 64, 192, [70, 150], jnp.float32, seed=7)
-    q, k_new, v_new = random_step(2, 4, 2, 64, jnp.float32, seed=8)
-    kw = dict(k_bits=4, v_bits=2, group_size=32, interpret=True)
-
-    def both(cache, q, k_new, v_new):
-        arrays = (cache.k.codes, cache.k.scale, cache.k.mn, cache.v.codes, cache.v.scale, cache.v.mn,
-                  cache.k_ring, cache.v_ring)
-        stacked = kivi_decode.decode(q, *arrays, 1, cache.length, k_new, v_new, **kw)
-        alone = kivi_decode.decode(q, *(x[1] for x in arrays), None, cache.length, k_new, v_new, **kw)
-        return stacked, alone
-
-    stacked, alone = compiled(both, cache, q, k_new, v_new)(cache, q, k_new, v_new)
-    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(alone))
-
-
 def test_dispatch_runs_the_kernel_for_kivi_axes_and_falls_back_explicitly(monkeypatch):
+    """Which implementation a forced `pallas` traces (the numbers are the other tests' business)."""
     calls = []
-    real = kivi_decode.decode
-    monkeypatch.setattr(kivi_decode, "decode", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(kivi_decode, "decode", lambda *a, **k: calls.append(k) or jnp.zeros(a[0].shape, a[0].dtype))
     for kivi, runs_kernel in ((KIVIConfig(2, 2, 32, 64), True), (KIVIConfig(2, 2, 32, 64, "token", "channel"), False),
-                              (KIVIConfig(8, 2, 32, 64), False)):
-        cache = random_cache(kivi, 2, 1, 64, 128, [40, 100], jnp.float32, seed=9, layers=1)
-        q, k_new, v_new = random_step(2, 2, 1, 64, jnp.float32, seed=10)
-
-        def both(cache, q, k_new, v_new):
-            step = (q, cache.k, cache.v, 0, cache.k_ring, cache.v_ring, cache.length, k_new, v_new, None)
-            return attention.decode_kivi("pallas", *step), attention.decode_kivi("xla", *step)
-
+                              (KIVIConfig(8, 2, 32, 64), False), (KIVIConfig(2, 2, 16, 64), False)):
+        cache = jax.eval_shape(lambda: KIVICache.create(CFG_64, kivi, 2, 128))
+        q, k_new, v_new = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 1, 4, 64), (2, 1, 2, 64), (2, 1, 2, 64)))
         calls.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out, ref = compiled(both, cache, q, k_new, v_new)(cache, q, k_new, v_new)
+            jax.eval_shape(lambda c, q, k, v: attention.decode_kivi("pallas", q, c.k, c.v, 1, c.k_ring, c.v_ring,
+                                                                    c.length, k, v, None), cache, q, k_new, v_new)
         assert bool(calls) == runs_kernel
         assert any("using the XLA path" in str(w.message) for w in caught) == (not runs_kernel)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4)
+        if runs_kernel:
+            assert calls[0] == dict(k_bits=2, v_bits=2, group_size=32, window=None)
     assert not attention.use_pallas("xla") and attention.use_pallas("pallas")
     assert attention.use_pallas("auto") == (jax.default_backend() == "gpu")
 
