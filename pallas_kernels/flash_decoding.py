@@ -50,7 +50,7 @@ def largest_pow2_block(num: int, cap: int) -> int:
     return block
 
 
-def layer_operand(layer, num_layers: int | None) -> jax.Array:
+def layer_operand(layer) -> jax.Array:
     """The layer index as an int32 `[1]` array the kernel reads (`None`: the arrays hold one layer, index 0)."""
     if layer is None:
         return jnp.zeros((1,), jnp.int32)

@@ -81,7 +81,7 @@ def partials(q_rows, k, v, layer, length, *, window, num_splits=None, block_toke
     splits = num_splits or fd.num_splits(batch, kv_heads, max_tokens // block)
     kernel = functools.partial(_kernel, window=window, splits=splits, block=block, dtype=k.dtype)
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # read in place, indexed in the kernel
-    layer, length = fd.layer_operand(layer, None), length.astype(jnp.int32)
+    layer, length = fd.layer_operand(layer), length.astype(jnp.int32)
     return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),

@@ -213,7 +213,7 @@ def partials(q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_r
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # read in place, indexed in the kernel
     cache = (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)
-    layer, length = fd.layer_operand(layer, None), length.astype(jnp.int32)
+    layer, length = fd.layer_operand(layer), length.astype(jnp.int32)
     grid = (batch, kv_heads, splits + 1)
     return pl.pallas_call(
         kernel,
