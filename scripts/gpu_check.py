@@ -53,10 +53,10 @@ def filled(seed: int, shape, dtype, low=None, high=None):
     """A device array of `shape`: drawn in full on the host when small, else a random block of 4096 token rows
     (axis -2) tiled on the device, so that no float32 copy of a large array is ever built."""
     dtype = jnp.dtype(dtype)
-    rows = shape[-2] if math.prod(shape) * dtype.itemsize <= HOST_LIMIT else min(shape[-2], 4096)
-    lead = shape[:-2] if rows == shape[-2] else ()
+    small = math.prod(shape) * dtype.itemsize <= HOST_LIMIT
+    rows = min(shape[-2], 4096)
     rng = np.random.default_rng(seed)
-    block_shape = lead + (rows, shape[-1])
+    block_shape = shape if small else (rows, shape[-1])
     if jnp.issubdtype(dtype, jnp.integer):
         block = rng.integers(low or 0, high or 256, block_shape)
     elif low is not None:
@@ -64,7 +64,7 @@ def filled(seed: int, shape, dtype, low=None, high=None):
     else:
         block = rng.standard_normal(block_shape, np.float32)
     block = jax.device_put(block.astype(dtype))
-    if lead:
+    if small:
         return block
     return jax.jit(lambda b: jnp.broadcast_to(jnp.tile(b, (shape[-2] // rows, 1)), shape))(block)
 
@@ -106,14 +106,25 @@ def compiled(fn, args, smoke: bool):
     return jax.jit(fn).lower(*args).compile(SMOKE_COMPILE if smoke else None)
 
 
-def max_err(a, b) -> float:
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+def error_text(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+def compare(kernel: str, config: str, dtype: str, window, run) -> dict:
+    """One correctness row: `run()` gives (kernel output, twin output); an exception is a failed row, not a crash."""
+    tol = {"float32": 1e-4, "bfloat16": 2e-2}[dtype]
+    row = dict(kernel=kernel, config=config, dtype=dtype, window=window, tol=tol)
+    try:
+        out, ref = run()
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+        return dict(row, max_err=err, ok=bool(err <= tol))
+    except Exception as e:
+        return dict(row, max_err=None, ok=False, error=error_text(e))
 
 
 def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
     """Every shipped KIVI configuration (bfloat16; a few in float32 and with a sliding window), the full kernel and
     the dot_product_attention baseline, on random inputs with ragged lengths, against the jnp twins."""
-    tol = {"float32": 1e-4, "bfloat16": 2e-2}
     batch, kv_heads, q_heads, tokens = 3, 2, 6, (512 if smoke else 1024)
     length = jnp.array([tokens - 1, 300, 77], jnp.int32)
     cases = [(c, "bfloat16", None) for c in SHIPPED]
@@ -122,34 +133,35 @@ def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
         cases = [(SHIPPED[0], "bfloat16", 200)]
     rows = []
     for (kb, vb, g, d), dtype, window in cases:
-        q, cache, (k_new, v_new) = kivi_inputs(kb * 1000 + vb * 100 + g + d, batch, kv_heads,
-                                               q_heads, d, tokens, kb, vb, g, jnp.dtype(dtype))
-        kw = dict(k_bits=kb, v_bits=vb, group_size=g, window=window)
-        args = (q, *cache, None, length, k_new, v_new)
-        out = compiled(lambda *a: kivi_decode.decode(*a, **kw, interpret=interpret), args, smoke)(*args)
-        ref = compiled(lambda *a: kivi_decode.reference(*a, **kw), args, smoke)(*args)
-        err = max_err(out, ref)
-        rows.append(dict(kernel="kivi", config=f"k{kb}v{vb}-g{g}-d{d}", dtype=dtype, window=window, max_err=err,
-                         tol=tol[dtype], ok=bool(err <= tol[dtype])))
+
+        def run():
+            q, cache, (k_new, v_new) = kivi_inputs(kb * 1000 + vb * 100 + g + d, batch, kv_heads, q_heads, d, tokens,
+                                                   kb, vb, g, jnp.dtype(dtype))
+            kw = dict(k_bits=kb, v_bits=vb, group_size=g, window=window)
+            args = (q, *cache, None, length, k_new, v_new)
+            return (compiled(lambda *a: kivi_decode.decode(*a, **kw, interpret=interpret), args, smoke)(*args),
+                    compiled(lambda *a: kivi_decode.reference(*a, **kw), args, smoke)(*args))
+
+        rows.append(compare("kivi", f"k{kb}v{vb}-g{g}-d{d}", dtype, window, run))
     full_cases = ((64, "bfloat16", None), (128, "bfloat16", 300), (128, "float32", None))
     for d, dtype, window in full_cases[1:2] if smoke else full_cases:
-        q, k, v, (k_new, v_new) = full_inputs(d, batch, kv_heads, q_heads, d, tokens,
-                                              jnp.dtype(dtype))
-        args = (q, k, v, None, length, k_new, v_new)
-        out = compiled(lambda *a: full_decode.decode(*a, window, interpret=interpret), args, smoke)(*args)
-        ref = compiled(lambda *a: full_decode.reference(*a, window), args, smoke)(*args)
-        err = max_err(out, ref)
-        rows.append(dict(kernel="full", config=f"d{d}", dtype=dtype, window=window, max_err=err, tol=tol[dtype],
-                         ok=bool(err <= tol[dtype])))
-    # dot_product_attention over the same cache with the new token written at position `length`
-    q, k, v, (k_new, v_new) = full_inputs(7, batch, kv_heads, q_heads, 128, tokens, jnp.bfloat16)
-    ref = jax.jit(full_decode.reference)(q, k, v, None, length, k_new, v_new)
-    at = jnp.arange(tokens)[None, None, :, None] == length[:, None, None, None]
-    k1, v1 = jnp.where(at, k_new[:, 0, :, None], k), jnp.where(at, v_new[:, 0, :, None], v)
-    out = jax.jit(full_decode.sdpa_decode)(q, jnp.swapaxes(k1, 1, 2), jnp.swapaxes(v1, 1, 2), length + 1)
-    err = max_err(out, ref)
-    rows.append(dict(kernel="sdpa", config="d128", dtype="bfloat16", window=None, max_err=err, tol=tol["bfloat16"],
-                     ok=bool(err <= tol["bfloat16"])))
+
+        def run():
+            q, k, v, (k_new, v_new) = full_inputs(d, batch, kv_heads, q_heads, d, tokens, jnp.dtype(dtype))
+            args = (q, k, v, None, length, k_new, v_new)
+            return (compiled(lambda *a: full_decode.decode(*a, window, interpret=interpret), args, smoke)(*args),
+                    compiled(lambda *a: full_decode.reference(*a, window), args, smoke)(*args))
+
+        rows.append(compare("full", f"d{d}", dtype, window, run))
+
+    def run_sdpa():  # dot_product_attention over the same cache with the new token written at position `length`
+        q, k, v, (k_new, v_new) = full_inputs(7, batch, kv_heads, q_heads, 128, tokens, jnp.bfloat16)
+        ref = jax.jit(full_decode.reference)(q, k, v, None, length, k_new, v_new)
+        at = jnp.arange(tokens)[None, None, :, None] == length[:, None, None, None]
+        k1, v1 = jnp.where(at, k_new[:, 0, :, None], k), jnp.where(at, v_new[:, 0, :, None], v)
+        return jax.jit(full_decode.sdpa_decode)(q, jnp.swapaxes(k1, 1, 2), jnp.swapaxes(v1, 1, 2), length + 1), ref
+
+    rows.append(compare("sdpa", "d128", "bfloat16", None, run_sdpa))
     return rows
 
 
@@ -186,6 +198,25 @@ def device_memory() -> int:
     return int(stats.get("bytes_limit", 8 << 30))
 
 
+def time_method(kind, seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, args, interpret):
+    """(median seconds, compile seconds) of one method at one point; its inputs are freed on return."""
+    length = jnp.full((batch,), tokens - 1, jnp.int32)  # every sequence full: tokens - 1 cached plus the new one
+    if kind == "full":
+        q, k, v, (k_new, v_new) = full_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, dtype)
+        fn = lambda q, k, v, l, kn, vn: full_decode.decode(q, k, v, None, l, kn, vn, None, interpret=interpret)
+        call = (q, k, v, length, k_new, v_new)
+    elif kind == "sdpa":
+        q, k, v, _ = full_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, "bthd")
+        fn, call = full_decode.sdpa_decode, (q, k, v, length + 1)
+    else:
+        kb, vb, g = TIMED_KIVI[kind]
+        q, cache, (k_new, v_new) = kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, kb, vb, g, dtype)
+        fn = lambda q, c, l, kn, vn: kivi_decode.decode(q, *c, None, l, kn, vn, k_bits=kb, v_bits=vb, group_size=g,
+                                                        interpret=interpret)
+        call = (q, cache, length, k_new, v_new)
+    return median_seconds(fn, call, args.warmup, args.repeats, args.inner, args.smoke)
+
+
 def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str]]:
     models = SMOKE_MODELS if args.smoke else MODELS
     lengths = (256,) if args.smoke else (65536, 16384, 4096)
@@ -197,16 +228,12 @@ def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str
         for batch in batches:
             for model, (kv_heads, q_heads, head_dim) in models.items():
                 point = dict(model=model, tokens=tokens, batch=batch)
-                length = jnp.full((batch,), tokens - 1, jnp.int32)
                 full_bytes = full_decode.bytes_read(batch, kv_heads, tokens, head_dim, dtype.itemsize)
                 key = tokens + batch
                 base = {}
                 methods = [("pallas-fp16", "full"), ("sdpa-fp16", "sdpa")] + [(n, n) for n in TIMED_KIVI]
                 for name, kind in methods:
                     label = f"{model} tokens={tokens} batch={batch} {name}"
-                    if time.perf_counter() > deadline:
-                        skipped.append(f"{label}: time budget spent")
-                        continue
                     if kind in ("full", "sdpa"):
                         need, read = full_bytes, full_bytes
                     else:
@@ -218,23 +245,15 @@ def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str
                         skipped.append(f"{label}: needs {need / 2**30:.1f} GiB, over {MEMORY_FRACTION:.0%} of the "
                                        f"device's {device_memory() / 2**30:.0f} GiB")
                         continue
-                    if kind == "full":
-                        q, k, v, (k_new, v_new) = full_inputs(key, batch, kv_heads, q_heads, head_dim, tokens, dtype)
-                        fn = lambda q, k, v, l, kn, vn: full_decode.decode(q, k, v, None, l, kn, vn, None,
-                                                                           interpret=interpret)
-                        call = (q, k, v, length, k_new, v_new)
-                    elif kind == "sdpa":
-                        q, k, v, _ = full_inputs(key, batch, kv_heads, q_heads, head_dim, tokens, dtype, "bthd")
-                        fn, call = full_decode.sdpa_decode, (q, k, v, length + 1)
-                    else:
-                        kb, vb, g = TIMED_KIVI[kind]
-                        q, cache, (k_new, v_new) = kivi_inputs(key, batch, kv_heads, q_heads, head_dim, tokens, kb,
-                                                               vb, g, dtype)
-                        fn = lambda q, c, l, kn, vn, kb=kb, vb=vb, g=g: kivi_decode.decode(
-                            q, *c, None, l, kn, vn, k_bits=kb, v_bits=vb, group_size=g, interpret=interpret)
-                        call = (q, cache, length, k_new, v_new)
-                    seconds, compile_s = median_seconds(fn, call, args.warmup, args.repeats, args.inner, args.smoke)
-                    del call
+                    if time.perf_counter() > deadline:
+                        skipped.append(f"{label}: time budget spent")
+                        continue
+                    try:
+                        seconds, compile_s = time_method(kind, key, batch, kv_heads, q_heads, head_dim, tokens,
+                                                         dtype, args, interpret)
+                    except Exception as e:  # e.g. out of memory, or a compile failure: report it, go on
+                        skipped.append(f"{label}: failed: {error_text(e)}")
+                        continue
                     row = dict(point, method=name, ms=seconds * 1e3, compile_s=compile_s, gb_read=read / 1e9,
                                gbps=read / seconds / 1e9)
                     if kind in ("full", "sdpa"):
@@ -270,8 +289,8 @@ def print_report(report: dict) -> None:
     print("\ncorrectness against the jnp twins")
     print(f"{'kernel':6} {'config':16} {'dtype':9} {'window':>6} {'max err':>10} {'tol':>7}  ok")
     for r in report["correctness"]:
-        print(f"{r['kernel']:6} {r['config']:16} {r['dtype']:9} {fmt(r['window'], 'd'):>6} {r['max_err']:10.2e} "
-              f"{r['tol']:7.0e}  {'yes' if r['ok'] else 'NO'}")
+        print(f"{r['kernel']:6} {r['config']:16} {r['dtype']:9} {fmt(r['window'], 'd'):>6} "
+              f"{fmt(r['max_err'], '10.2e'):>10} {r['tol']:7.0e}  {'yes' if r['ok'] else 'NO'} {r.get('error', '')}")
     print("\ndecode attention, one layer (median ms a call; GB/s on the bytes each must read)")
     head = (f"{'model':13} {'tokens':>6} {'batch':>5} {'method':12} {'ms':>9} {'GB':>7} {'GB/s':>7} {'%peak':>6} "
             f"{'%stream':>7} {'x pallas':>8} {'x sdpa':>7}")
