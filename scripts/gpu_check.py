@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--inner", type=int, default=5, help="back-to-back calls a timed repeat")
-    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting timings after this many seconds")
+    p.add_argument("--budget-s", type=float, default=170.0, help="stop starting timings after this many seconds")
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak bandwidth (default: by name)")
     p.add_argument("--skip-correctness", action="store_true")
     args = p.parse_args(argv)
