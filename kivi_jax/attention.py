@@ -327,6 +327,9 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     The kernel reads them and the stores in place and masks the sliding window. Configurations it does not serve
     (`kivi_decode.unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) run the XLA path.
     """
+    if k_ring.ndim != k_store.codes.ndim:
+        raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
+                         "only with layer=None)")
     if use_pallas(impl):
         from pallas_kernels import kivi_decode
 
