@@ -9,6 +9,7 @@ block of one layer at a time (`layer=None` takes tensors that hold one layer alr
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -297,19 +298,50 @@ def use_pallas(impl: str) -> bool:
     return impl == "pallas"
 
 
+def fall_back(impl: str, reason: str) -> None:
+    """The kernel cannot serve this cache: say so when the caller forced `pallas` (`auto` falls back quietly)."""
+    if impl == "pallas":
+        warnings.warn(f"attention_impl='pallas': {reason}; using the XLA path", stacklevel=3)
+
+
 def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, window):
-    """Decode attention over one layer of a full-precision cache with the chosen implementation."""
+    """Decode attention over one layer of a full-precision cache with the chosen implementation.
+
+    The kernel reads the stacked cache in place (the layer is an index it reads) and masks the sliding window;
+    shapes it cannot take (`full_decode.unsupported`) run the XLA path.
+    """
     if use_pallas(impl):
         from pallas_kernels import full_decode
 
-        return full_decode.decode(q, k_cache, v_cache, layer, length, k_new, v_new, window)
+        reason = full_decode.unsupported(q.shape[-1], k_cache.shape[-2])
+        if reason is None:
+            return full_decode.decode(q, k_cache, v_cache, layer, length, k_new, v_new, window)
+        fall_back(impl, reason)
     return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window)
 
 
 def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window):
-    """Decode attention over one layer of a KIVI cache with the chosen implementation."""
+    """Decode attention over one layer of a KIVI cache with the chosen implementation.
+
+    Rings come stacked like the stores (`[layers, batch, kv_heads, R, head_dim]`, or one layer with `layer=None`).
+    The kernel reads them and the stores in place and masks the sliding window. Configurations it does not serve
+    (`kivi_decode.unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) run the XLA path.
+    """
+    if k_ring.ndim != k_store.codes.ndim:
+        raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
+                         "only with layer=None)")
     if use_pallas(impl):
         from pallas_kernels import kivi_decode
 
-        return kivi_decode.decode(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
+        reason = kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
+                                         k_ring.shape[-2], k_store.axis, v_store.axis)
+        if reason is None:
+            return kivi_decode.decode(
+                q, k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale, v_store.mn, k_ring, v_ring,
+                layer, length, k_new, v_new, k_bits=k_store.bits, v_bits=v_store.bits,
+                group_size=k_store.group_size, window=window,
+            )
+        fall_back(impl, reason)
+    if layer is not None:
+        k_ring, v_ring = k_ring[layer], v_ring[layer]
     return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)

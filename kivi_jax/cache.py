@@ -305,9 +305,9 @@ class KIVICache:
 
     def decode_attend(self, layer, q, k, v, window):
         """Attention over the cache as it stands plus the new token (KIVI's order); the update appends the token."""
-        k_ring, v_ring = self.k_ring[layer], self.v_ring[layer]
-        out = attention.decode_kivi(self.impl, q, self.k, self.v, layer, k_ring, v_ring, self.length, k, v, window)
-        return out, self.append_update(k_ring, v_ring, k[:, 0], v[:, 0])
+        out = attention.decode_kivi(self.impl, q, self.k, self.v, layer, self.k_ring, self.v_ring, self.length, k, v,
+                                    window)  # the stacked rings: a kernel reads them in place
+        return out, self.append_update(self.k_ring[layer], self.v_ring[layer], k[:, 0], v[:, 0])
 
     def append_update(self, k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array) -> dict:
         """One layer's rows to write when token t = length arrives (`k`, `v` `[batch, kv_heads, head_dim]`).

@@ -1,0 +1,347 @@
+"""Fused dequantize + attention decode over a KIVI cache: a flash-decoding Pallas kernel and its pure-jnp twin.
+
+The cache (DESIGN §2), stacked over layers, read in place (the layer is an index the kernel reads, never a slice):
+- keys per-channel: codes `[layers, batch, kv_heads, tokens, D // pk]` uint8 planar-packed, scale/min
+  `[layers, batch, kv_heads, tokens // G, D]`; quantized for tokens `[0, (length // R) * R)`;
+- values per-token: codes `[layers, batch, kv_heads, tokens, D // pv]`, scale/min `[layers, batch, kv_heads, tokens,
+  D // G]`; quantized for tokens `[0, max(length - R, 0))`;
+- rings `[layers, batch, kv_heads, R, D]` in the compute dtype, token t in slot t % R.
+
+Grid (batch, kv head, split). Programs `split < num_splits` walk their share of the tokens whose key and value are
+both quantized, `tokens_per_step` at a time: they load packed codes and scales, unpack each planar slab with one
+shift and one mask, fold the scales into the query (keys: `q·k_t = Σ_d (q_d s_gd) c_td + Σ_d q_d m_gd`) and into the
+probabilities (values: `Σ_t p_t v_td = Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg`), score all n_rep query heads of the kv
+head at once (rows padded to 16 for the dot) and keep an online softmax in float32. The last program of each
+(batch, kv head) reads the residual segment: the newest up-to-R tokens, keys from the ring or, for those already
+flushed, from the last quantized key block, values from the ring. A small jnp epilogue (`combine`) merges the
+partials with the new token's own key and value. Per-sequence lengths and the sliding window are masked; blocks
+wholly outside the window are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import flash_decoding as fd
+
+KERNEL_BITS = (2, 4)
+KERNEL_GROUPS = (32, 64, 128)
+TOKENS_PER_STEP = 64  # tokens a main program reads per loop step (whole key groups)
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def unsupported(head_dim: int, k_bits: int, v_bits: int, group_size: int, residual: int, key_axis: str = "channel",
+                value_axis: str = "token") -> str | None:
+    """Why the kernel cannot serve this cache configuration, or None when it can."""
+    if (key_axis, value_axis) != ("channel", "token"):
+        return f"only KIVI's axes (keys per-channel, values per-token) have a kernel, not {key_axis}/{value_axis}"
+    if k_bits not in KERNEL_BITS or v_bits not in KERNEL_BITS:
+        return f"the kernel handles {KERNEL_BITS}-bit codes, not k_bits={k_bits}, v_bits={v_bits}"
+    if group_size not in KERNEL_GROUPS:
+        return f"the kernel handles group sizes {KERNEL_GROUPS}, not {group_size}"
+    if head_dim not in (64, 128):
+        return f"the kernel handles head_dim 64 and 128, not {head_dim}"
+    if head_dim % group_size:
+        return f"group_size={group_size} does not divide head_dim={head_dim} (values are grouped along channels)"
+    if residual % group_size:
+        return f"residual_length={residual} is not a multiple of group_size={group_size}"
+    return None
+
+
+def step_tokens(max_tokens: int, group_size: int, tokens_per_step: int = TOKENS_PER_STEP) -> int:
+    """Tokens per main-loop step: whole key groups, a power of two dividing the cache (so no read runs past it)."""
+    return group_size * fd.largest_pow2_block(max_tokens // group_size, max(tokens_per_step // group_size, 1))
+
+
+def value_pieces(head_dim: int, bits: int, group_size: int) -> list[tuple[int, int, int, int]]:
+    """Value channel ranges lying in one planar slab and one per-token group, in channel order:
+    (first channel, slab, first byte column, width)."""
+    width = head_dim // (8 // bits)
+    piece = min(width, group_size)
+    return [(c, c // width, c % width, piece) for c in range(0, head_dim, piece)]
+
+
+def split_parts(x: jax.Array, dtype) -> list[jax.Array]:
+    """float32 `x` as dot inputs in `dtype`: itself in float32; a high and a low part in a 16-bit dtype, whose sum
+    keeps about 16 mantissa bits (the folded key scales can be large: one rounding would cost ~1e-2 in the scores)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return [x]
+    high = x.astype(dtype)
+    return [high, (x - high.astype(jnp.float32)).astype(dtype)]
+
+
+def segment_bounds(length, residual: int, window: int | None):
+    """Per sequence: (first visible token, end of the both-quantized segment), DESIGN §2's token ranges."""
+    main_end = jnp.maximum(length - residual, 0)  # = min(keys' (len // R) * R, values' max(len - R, 0))
+    lo = jnp.zeros_like(length) if window is None else jnp.maximum(length - window + 1, 0)
+    return lo, main_end
+
+
+def ring_slot_tokens(length, slots, residual: int):
+    """The token each ring slot holds once `length` tokens are in (negative: never written), and whether its key
+    is already quantized (it sits in the last flushed key block, row `(length // R - 1) * R + slot`)."""
+    full, filled = length // residual, length % residual
+    tok = jnp.where(slots < filled, full * residual + slots, (full - 1) * residual + slots)
+    return tok, slots >= filled
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel
+
+
+def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref, vm_ref, kr_ref, vr_ref,
+            m_ref, l_ref, acc_ref, *, k_bits, v_bits, group_size, residual, window, splits, step, dtype):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    length = length_ref[b]
+    rows, head_dim = q_ref.shape
+    g = group_size
+    sm_scale = head_dim**-0.5
+    precision = fd.dot_precision(dtype)
+    dot = functools.partial(plgpu.dot, precision=precision)
+    pk, pv = 8 // k_bits, 8 // v_bits
+    wk = head_dim // pk
+    pieces = value_pieces(head_dim, v_bits, g)
+    q_slabs = [q_ref[:, pl.ds(i * wk, wk)] for i in range(pk)]  # [rows, D/pk] float32 each
+    q_dot = q_ref[...].astype(dtype)  # [rows, D] for the ring's keys
+
+    def key_scores(t0, grp):
+        """Scores `[rows, G]` of the G quantized keys from token t0 (key group `grp`), scales folded into q."""
+        codes = kc_ref[layer, b, h, pl.ds(t0, g), :]  # [G, D/pk] uint8
+        scores = jnp.zeros((rows, g), jnp.float32)
+        bias = jnp.zeros((rows,), jnp.float32)
+        for i in range(pk):
+            scale = ks_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)  # [D/pk]
+            mn = km_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)
+            slab = ((codes >> (k_bits * i)) & (2**k_bits - 1)).astype(dtype)  # channels [i*D/pk, (i+1)*D/pk)
+            for part in split_parts(q_slabs[i] * (scale * sm_scale)[None, :], dtype):
+                scores = scores + dot(part, slab, trans_b=True)
+            bias = bias + jnp.sum(q_slabs[i] * mn[None, :], axis=1)
+        return scores + (bias * sm_scale)[:, None]
+
+    def add_quantized_values(acc, p, t0):
+        """acc pieces + p `[rows, G]` times the G quantized values from token t0, scales folded into p."""
+        acc = list(acc)
+        for j, (ch, slab_i, col, width) in enumerate(pieces):
+            codes = vc_ref[layer, b, h, pl.ds(t0, g), pl.ds(col, width)]  # [G, width] uint8
+            scale = vs_ref[layer, b, h, pl.ds(t0, g), ch // g].astype(jnp.float32)  # [G]
+            mn = vm_ref[layer, b, h, pl.ds(t0, g), ch // g].astype(jnp.float32)
+            slab = ((codes >> (v_bits * slab_i)) & (2**v_bits - 1)).astype(dtype)
+            acc[j] = acc[j] + dot((p * scale[None, :]).astype(dtype), slab) + jnp.sum(p * mn[None, :], axis=1)[:, None]
+        return tuple(acc)
+
+    lo, main_end = segment_bounds(length, residual, window)
+
+    # Main segment: this split's share of the steps covering [lo, main_end).
+    first = lax.div(lo, step)
+    n_steps = jnp.maximum(lax.div(main_end + step - 1, step) - first, 0)
+    per_split = lax.div(n_steps + splits - 1, splits)
+    mine = jnp.where(s < splits, jnp.clip(n_steps - s * per_split, 0, per_split), 0)
+    start = first + s * per_split
+
+    def main_step(i, carry):
+        m, l, acc = carry
+        t_step = (start + i) * step
+        scores = []
+        for j in range(step // g):
+            t0 = t_step + j * g
+            pos = t0 + jnp.arange(g)
+            valid = (pos >= lo) & (pos < main_end)
+            scores.append(jnp.where(valid[None, :], key_scores(t0, lax.div(t0, g)), -jnp.inf))
+        m, alpha, probs, l = fd.online_update(m, l, scores)
+        acc = tuple(a * alpha[:, None] for a in acc)
+        for j, p in enumerate(probs):
+            acc = add_quantized_values(acc, p, t_step + j * g)
+        return m, l, acc
+
+    carry = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        tuple(jnp.zeros((rows, width), jnp.float32) for *_, width in pieces),
+    )
+    carry = lax.fori_loop(0, mine, main_step, carry)
+
+    # Residual segment (the last program only): G ring slots at a time.
+    flushed_row = jnp.maximum(lax.div(length, residual) - 1, 0) * residual  # first row of the last flushed key block
+
+    def ring_step(c, carry):
+        m, l, acc = carry
+        slots = c * g + jnp.arange(g)
+        tok, quantized = ring_slot_tokens(length, slots, residual)
+        valid = tok >= lo  # lo >= 0: never-written slots (tok < 0) are out
+        row = flushed_row + c * g
+        s_quant = key_scores(row, lax.div(row, g))
+        ring_k = kr_ref[layer, b, h, pl.ds(c * g, g), :]  # [G, D]
+        s_ring = dot(q_dot, ring_k.astype(dtype), trans_b=True) * sm_scale
+        scores = jnp.where(valid[None, :], jnp.where(quantized[None, :], s_quant, s_ring), -jnp.inf)
+        m, alpha, (p,), l = fd.online_update(m, l, [scores])
+        p = p.astype(dtype)
+        acc = tuple(
+            a * alpha[:, None] + dot(p, vr_ref[layer, b, h, pl.ds(c * g, g), pl.ds(ch, width)].astype(dtype))
+            for a, (ch, _, _, width) in zip(acc, pieces)
+        )
+        return m, l, acc
+
+    m, l, acc = lax.fori_loop(0, jnp.where(s == splits, residual // g, 0), ring_step, carry)
+
+    m_ref[...] = m
+    l_ref[...] = l
+    for a, (ch, _, _, width) in zip(acc, pieces):
+        acc_ref[:, pl.ds(ch, width)] = a
+
+
+def partials(q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, *, k_bits,
+             v_bits, group_size, window, num_splits=None, tokens_per_step=TOKENS_PER_STEP, interpret=False):
+    """The kernel's partials `(m, l, acc)` `[batch, kv_heads, splits + 1, rows(, head_dim)]` for padded float32
+    queries `q_rows [batch, kv_heads, rows, head_dim]`; the last split is the residual segment."""
+    _, batch, kv_heads, max_tokens, _ = k_codes.shape
+    rows, head_dim = q_rows.shape[2:]
+    residual = k_ring.shape[3]
+    step = step_tokens(max_tokens, group_size, tokens_per_step)
+    splits = num_splits or fd.num_splits(batch, kv_heads, max_tokens // step)
+    kernel = functools.partial(
+        _kernel, k_bits=k_bits, v_bits=v_bits, group_size=group_size, residual=residual, window=window,
+        splits=splits, step=step, dtype=k_ring.dtype,
+    )
+    whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # read in place, indexed in the kernel
+    cache = (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)
+    layer, length = fd.layer_operand(layer), length.astype(jnp.int32)
+    grid = (batch, kv_heads, splits + 1)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole(layer), whole(length), pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))]
+        + [whole(x) for x in cache],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, splits + 1, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits + 1, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits + 1, rows, head_dim), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="kivi_decode",
+    )(layer, length, q_rows, *cache)
+
+
+def decode(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, k_new, v_new, *,
+           k_bits: int, v_bits: int, group_size: int, window: int | None = None, num_splits: int | None = None,
+           tokens_per_step: int = TOKENS_PER_STEP, interpret: bool | None = None) -> jax.Array:
+    """Decode attention over one layer of a KIVI cache with the Pallas kernel.
+
+    q `[batch, 1, q_heads, head_dim]`; cache arrays stacked `[layers, ...]` with `layer` a (traced) index, or holding
+    one layer with `layer=None`; length `[batch]`; k_new, v_new `[batch, 1, kv_heads, head_dim]` at position length.
+    The compute dtype is the rings' dtype (dots take it as input, accumulate in float32). `interpret=None`: the real
+    kernel on GPU, interpret mode elsewhere. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
+    """
+    window = fd.static_window(window)
+    arrays = [fd.stacked(x, layer) for x in (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)]
+    kv_heads, head_dim = arrays[0].shape[2], q.shape[-1]
+    m, l, acc = partials(
+        fd.grouped_queries(q, kv_heads), *arrays, layer, length, k_bits=k_bits, v_bits=v_bits,
+        group_size=group_size, window=window, num_splits=num_splits, tokens_per_step=tokens_per_step,
+        interpret=fd.interpret_default(interpret),
+    )
+    return fd.combine(m, l, acc, q, k_new, v_new, head_dim**-0.5, q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure-jnp twin: the same math (folded scales, the same roundings to the compute dtype, float32 softmax), one layer
+# and all tokens at once instead of blocks and splits.
+
+
+def _unpack(codes: jax.Array, bits: int) -> jax.Array:
+    """Planar bytes `[..., D // p]` -> float32 codes `[..., D]` in channel order."""
+    slabs = [((codes >> (bits * i)) & (2**bits - 1)).astype(jnp.float32) for i in range(8 // bits)]
+    return jnp.concatenate(slabs, axis=-1)
+
+
+def _rounded(x: jax.Array, dtype) -> jax.Array:
+    """x as the kernel feeds it to a dot: rounded to the compute dtype, computed on in float32."""
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _quantized_key_scores(q, codes, scale, mn, sm_scale, dtype):
+    """q `[batch, kv_heads, rows, D]` against quantized keys (codes `[batch, kv_heads, tokens, D]` float32, scale/mn
+    `[batch, kv_heads, tokens // G, D]`) -> `[batch, kv_heads, rows, tokens]`, scales folded into q per key group."""
+    batch, kv_heads, tokens, head_dim = codes.shape
+    n_groups = scale.shape[2]
+    q_scaled = q[:, :, :, None, :] * (scale * sm_scale)[:, :, None]  # [batch, kv_heads, rows, groups, D]
+    grouped = codes.reshape(batch, kv_heads, n_groups, tokens // n_groups, head_dim)
+    dots = sum(jnp.einsum("bhrgd,bhgtd->bhrgt", part.astype(jnp.float32), grouped, precision="highest")
+               for part in split_parts(q_scaled, dtype))
+    bias = jnp.einsum("bhrd,bhgd->bhrg", q, mn, precision="highest") * sm_scale
+    return (dots + bias[..., None]).reshape(q.shape[:3] + (tokens,))
+
+
+def reference(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, k_new, v_new, *,
+              k_bits: int, v_bits: int, group_size: int, window: int | None = None) -> jax.Array:
+    """The kernel's pure-jnp twin: same arguments, same result up to float32 summation order."""
+    arrays = [fd.stacked(x, layer) for x in (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)]
+    lyr = 0 if layer is None else layer
+    kc, ks, km, vc, vs, vm, kr, vr = (x[lyr] for x in arrays)
+    dtype = kr.dtype
+    batch, kv_heads, max_tokens, _ = kc.shape
+    head_dim, residual, g = q.shape[-1], kr.shape[2], group_size
+    sm_scale = head_dim**-0.5
+    qr = fd.grouped_queries(q, kv_heads)  # [batch, kv_heads, rows, D]
+    ks, km, vs, vm = (x.astype(jnp.float32) for x in (ks, km, vs, vm))
+    k_codes_f, v_codes_f = _unpack(kc, k_bits), _unpack(vc, v_bits)  # [batch, kv_heads, tokens, D]
+    lo, main_end = segment_bounds(length, residual, window)
+
+    # Both-quantized segment.
+    pos = jnp.arange(max_tokens)
+    valid = (pos[None, :] >= lo[:, None]) & (pos[None, :] < main_end[:, None])  # [batch, tokens]
+    scores = _quantized_key_scores(qr, k_codes_f, ks, km, sm_scale, dtype)
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    m1 = jnp.max(scores, axis=-1)  # [batch, kv_heads, rows]
+    p = jnp.exp(scores - jnp.where(m1 == -jnp.inf, 0.0, m1)[..., None])
+    l1 = jnp.sum(p, axis=-1)
+    p_scaled = _rounded(p[..., None] * vs[:, :, None], dtype)  # [b, h, rows, tokens, D // G]
+    p_scaled = jnp.repeat(p_scaled, g, axis=-1)  # [b, h, rows, tokens, D]: channel d uses group d // G
+    acc1 = jnp.einsum("bhrtd,bhtd->bhrd", p_scaled, v_codes_f, precision="highest")
+    acc1 = acc1 + jnp.repeat(jnp.einsum("bhrt,bhtg->bhrg", p, vm, precision="highest"), g, axis=-1)
+
+    # Residual segment: ring slots, keys already flushed read from the last quantized key block.
+    slots = jnp.arange(residual)
+    tok, quantized = ring_slot_tokens(length[:, None], slots[None, :], residual)  # [batch, R]
+    ring_valid = tok >= lo[:, None]  # lo >= 0: never-written slots (tok < 0) are out
+    row0 = jnp.maximum(length // residual - 1, 0) * residual  # [batch]
+    rows = row0[:, None] + slots[None, :]
+    take = lambda x, r: jnp.take_along_axis(x, r[:, None, :, None], axis=2)
+    block_scores = _quantized_key_scores(qr, take(k_codes_f, rows), take(ks, rows[:, ::g] // g),
+                                         take(km, rows[:, ::g] // g), sm_scale, dtype)
+    ring_scores = jnp.einsum("bhrd,bhtd->bhrt", _rounded(qr, dtype), kr.astype(jnp.float32),
+                             precision="highest") * sm_scale
+    scores = jnp.where(quantized[:, None, None, :], block_scores, ring_scores)
+    scores = jnp.where(ring_valid[:, None, None, :], scores, -jnp.inf)
+    m2 = jnp.max(scores, axis=-1)
+    p = jnp.exp(scores - jnp.where(m2 == -jnp.inf, 0.0, m2)[..., None])
+    l2 = jnp.sum(p, axis=-1)
+    acc2 = jnp.einsum("bhrt,bhtd->bhrd", _rounded(p, dtype), vr.astype(jnp.float32), precision="highest")
+
+    m, l, acc = (jnp.stack(pair, axis=2) for pair in ((m1, m2), (l1, l2), (acc1, acc2)))
+    return fd.combine(m, l, acc, q, k_new, v_new, sm_scale, q.dtype)
+
+
+def bytes_read(batch: int, kv_heads: int, tokens: int, head_dim: int, k_bits: int, v_bits: int, group_size: int,
+               residual: int, ring_itemsize: int, scale_itemsize: int = 2) -> int:
+    """Bytes one decode step must read from one layer of a KIVI cache holding `tokens` tokens a sequence (codes,
+    scales and mins of the quantized tokens, the ring); the bandwidth figure of the GPU check divides by this."""
+    quantized = max(tokens - residual, 0)
+    per_head = quantized * head_dim * (k_bits + v_bits) // 8
+    per_head += 2 * scale_itemsize * (math.ceil(quantized / group_size) * head_dim + quantized * head_dim // group_size)
+    per_head += 2 * residual * head_dim * ring_itemsize
+    return batch * kv_heads * per_head

@@ -1,0 +1,195 @@
+"""The KIVI decode kernel in interpret mode equals its jnp twin and the XLA path on random caches (every shipped
+bits / group / head_dim combination, ragged lengths, windows, several split counts), and `generate` with it gives
+the XLA path's greedy tokens."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kivi_jax
+from kivi_jax import attention
+from kivi_jax.cache import KIVICache
+from kivi_jax.config import KIVIConfig
+from models.config import LlamaConfig
+from models.llama import init_params
+from pallas_kernels import kivi_decode
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+FAST = {"xla_backend_optimization_level": 0}
+CFG_64 = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64)  # interpret mode compiles slowly; codegen speed does not matter here
+
+
+def compiled(fn, *args):
+    """`fn` jit-compiled for `args` with cheap XLA optimization (compile time dominates these tests)."""
+    return jax.jit(fn).lower(*args).compile(FAST)
+
+
+def random_cache(kivi: KIVIConfig, batch, kv_heads, head_dim, max_tokens, lengths, dtype, seed, layers=2):
+    """A KIVI cache filled (as if token by token) with random keys (a few outlier channels, like real keys) and
+    values: `lengths [batch]` tokens a sequence, every layer different."""
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=layers, num_heads=kv_heads,
+                      num_kv_heads=kv_heads, head_dim=head_dim)
+    rng = np.random.RandomState(seed)
+    shape = (layers, batch, kv_heads, max_tokens, head_dim)
+    k = rng.randn(*shape).astype(np.float32)
+    k[..., [3, head_dim // 2 + 1]] *= 8.0
+    v = rng.randn(*shape).astype(np.float32)
+    num_new = jnp.asarray(lengths, jnp.int32)
+    keep = (np.arange(max_tokens)[None, :] < np.asarray(lengths)[:, None])[None, :, None, :, None]
+    k, v = jnp.asarray(np.where(keep, k, 0), dtype), jnp.asarray(np.where(keep, v, 0), dtype)
+    cache = KIVICache.create(cfg, kivi, batch, max_tokens, dtype)
+
+    @jax.jit
+    def fill(cache, k, v):
+        ups = [cache.prompt_update(k[l], v[l], num_new) for l in range(layers)]
+        return cache.commit(jax.tree_util.tree_map(lambda *x: jnp.stack(x), *ups), num_new)
+
+    return fill(cache, k, v)
+
+
+def random_step(batch, q_heads, kv_heads, head_dim, dtype, seed):
+    """The new token's query, key and value."""
+    rng = np.random.RandomState(seed)
+    q = jnp.asarray(rng.randn(batch, 1, q_heads, head_dim), dtype)
+    k_new = jnp.asarray(rng.randn(batch, 1, kv_heads, head_dim), dtype)
+    v_new = jnp.asarray(rng.randn(batch, 1, kv_heads, head_dim), dtype)
+    return q, k_new, v_new
+
+
+def one_layer(cache, layer: int):
+    """The cache's stores and rings cut to one layer (the `layer=None` form of the decode functions)."""
+    cut = lambda store: store.replace(codes=store.codes[layer], scale=store.scale[layer], mn=store.mn[layer])
+    return cache.replace(k=cut(cache.k), v=cut(cache.v), k_ring=cache.k_ring[layer], v_ring=cache.v_ring[layer])
+
+
+def three_ways(cache, q, k_new, v_new, layer, window, num_splits=None, tokens_per_step=None):
+    """(kernel in interpret mode, jnp twin, XLA path, XLA path without the window) outputs as float32 numpy arrays,
+    one compilation. `layer=None` passes arrays that hold that one layer (layer 0)."""
+    kv = cache.config
+    if layer is None:
+        cache = one_layer(cache, 0)
+
+    def run(cache, q, k_new, v_new, layer):
+        arrays = (cache.k.codes, cache.k.scale, cache.k.mn, cache.v.codes, cache.v.scale, cache.v.mn,
+                  cache.k_ring, cache.v_ring)
+        args = (q, *arrays, layer, cache.length, k_new, v_new)
+        kw = dict(k_bits=kv.k_bits, v_bits=kv.v_bits, group_size=kv.group_size, window=window)
+        kernel = kivi_decode.decode(*args, **kw, num_splits=num_splits, interpret=True,
+                                    tokens_per_step=tokens_per_step or kivi_decode.TOKENS_PER_STEP)
+        twin = kivi_decode.reference(*args, **kw)
+        rings = (cache.k_ring, cache.v_ring) if layer is None else (cache.k_ring[layer], cache.v_ring[layer])
+        xla = attention.decode_kivi_xla(q, cache.k, cache.v, layer, *rings, cache.length, k_new, v_new, window)
+        unwindowed = attention.decode_kivi_xla(q, cache.k, cache.v, layer, *rings, cache.length, k_new, v_new, None)
+        return kernel, twin, xla, unwindowed
+
+    args = (cache, q, k_new, v_new, None if layer is None else jnp.int32(layer))
+    return [np.asarray(x, np.float32) for x in compiled(run, *args)(*args)]
+
+
+# (k_bits, v_bits, group_size, head_dim): every combination the kernel ships
+SHIPPED = [(kb, vb, g, d) for kb in (2, 4) for vb in (2, 4) for d in (64, 128) for g in (32, 64, 128) if g <= d]
+
+# Shapes cycled through the combinations: (batch, kv_heads, n_rep, max_tokens in R-blocks, lengths as f(R, T)).
+# Lengths: empty, ring-only, exactly at a flush, between flushes, near full; none a multiple of a step.
+SHAPES = [
+    (3, 2, 3, 4, lambda r, t: [r - 5, 2 * r, t - 3]),
+    (2, 1, 8, 3, lambda r, t: [r + r // 2 + 7, 0]),
+    (1, 3, 1, 4, lambda r, t: [t - 1]),
+    (4, 1, 2, 3, lambda r, t: [1, r, 2 * r - 1, t - r // 2 - 1]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SHIPPED)),
+                         ids=[f"k{kb}v{vb}-g{g}-d{d}" for kb, vb, g, d in SHIPPED])
+def test_float32_kernel_equals_twin_and_xla_for_every_shipped_combination(case):
+    k_bits, v_bits, g, head_dim = SHIPPED[case]
+    batch, kv_heads, n_rep, blocks, lengths = SHAPES[case % len(SHAPES)]
+    residual = max(g, 64)
+    max_tokens = blocks * residual
+    cache = random_cache(KIVIConfig(k_bits, v_bits, g, residual), batch, kv_heads, head_dim, max_tokens,
+                         lengths(residual, max_tokens), jnp.float32, seed=case)
+    q, k_new, v_new = random_step(batch, kv_heads * n_rep, kv_heads, head_dim, jnp.float32, seed=100 + case)
+    layer = (0, 1, None)[case % 3]  # stacked layers read in place, or arrays holding one layer
+    kernel, twin, xla, _ = three_ways(cache, q, k_new, v_new, layer=layer, window=None,
+                                   num_splits=(None, 3)[case % 2], tokens_per_step=(g, 64)[case % 2])
+    assert np.abs(kernel - twin).max() <= TOL[jnp.float32]
+    assert np.abs(kernel - xla).max() <= TOL[jnp.float32]
+    assert np.abs(xla).max() > 0.1  # a real output, not zeros on both sides
+
+
+# bfloat16 compute dtype (q, rings, new token; scales stay float16): a subset in which every key bits, value bits,
+# group size and head_dim appears (the Triton lowering test covers the whole matrix in both dtypes).
+BF16 = [(2, 4, 32, 64), (4, 2, 64, 128), (2, 2, 128, 128)]
+
+
+@pytest.mark.parametrize("combo", BF16, ids=[f"k{kb}v{vb}-g{g}-d{d}" for kb, vb, g, d in BF16])
+def test_bfloat16_kernel_equals_twin_and_xla(combo):
+    k_bits, v_bits, g, head_dim = combo
+    i = BF16.index(combo)
+    batch, kv_heads, n_rep, blocks, lengths = SHAPES[i % len(SHAPES)]
+    residual = max(g, 64)
+    max_tokens = blocks * residual
+    cache = random_cache(KIVIConfig(k_bits, v_bits, g, residual), batch, kv_heads, head_dim, max_tokens,
+                         lengths(residual, max_tokens), jnp.bfloat16, seed=50 + i)
+    q, k_new, v_new = random_step(batch, kv_heads * n_rep, kv_heads, head_dim, jnp.bfloat16, seed=150 + i)
+    kernel, twin, xla, _ = three_ways(cache, q, k_new, v_new, layer=1, window=None)
+    assert np.abs(kernel - twin).max() <= TOL[jnp.bfloat16]
+    assert np.abs(kernel - xla).max() <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype, window", [(jnp.float32, 150), (jnp.bfloat16, 50)])
+def test_sliding_window_is_masked_like_the_xla_path(dtype, window):
+    """A window reaching into the quantized tokens (whole steps skipped) and one shorter than the ring; R = 64."""
+    lengths = [30, 64, 140, 250]
+    cache = random_cache(KIVIConfig(2, 4, 32, 64), 4, 1, 64, 256, lengths, dtype, seed=window)
+    q, k_new, v_new = random_step(4, 4, 1, 64, dtype, seed=window + 1)
+    kernel, twin, xla, unwindowed = three_ways(cache, q, k_new, v_new, layer=0, window=window, num_splits=2)
+    assert np.abs(kernel - twin).max() <= TOL[dtype]
+    assert np.abs(kernel - xla).max() <= TOL[dtype]
+    assert np.abs(unwindowed - xla).max() > 10 * TOL[dtype]  # the window changed the answer
+
+
+def test_dispatch_runs_the_kernel_for_kivi_axes_and_falls_back_explicitly(monkeypatch):
+    """Which implementation a forced `pallas` traces (the numbers are the other tests' business)."""
+    calls = []
+    monkeypatch.setattr(kivi_decode, "decode", lambda *a, **k: calls.append(k) or jnp.zeros(a[0].shape, a[0].dtype))
+    for kivi, runs_kernel in ((KIVIConfig(2, 2, 32, 64), True), (KIVIConfig(2, 2, 32, 64, "token", "channel"), False),
+                              (KIVIConfig(8, 2, 32, 64), False), (KIVIConfig(2, 2, 16, 64), False)):
+        cache = jax.eval_shape(lambda: KIVICache.create(CFG_64, kivi, 2, 128))
+        q, k_new, v_new = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 1, 4, 64), (2, 1, 2, 64), (2, 1, 2, 64)))
+        calls.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.eval_shape(lambda c, q, k, v: attention.decode_kivi("pallas", q, c.k, c.v, 1, c.k_ring, c.v_ring,
+                                                                    c.length, k, v, None), cache, q, k_new, v_new)
+        assert bool(calls) == runs_kernel
+        assert any("using the XLA path" in str(w.message) for w in caught) == (not runs_kernel)
+        if runs_kernel:
+            assert calls[0] == dict(k_bits=2, v_bits=2, group_size=32, window=None)
+    assert not attention.use_pallas("xla") and attention.use_pallas("pallas")
+    assert attention.use_pallas("auto") == (jax.default_backend() == "gpu")
+
+
+def test_generate_with_the_kernel_gives_the_xla_greedy_tokens(monkeypatch):
+    """A tiny random model (head_dim 64, GQA) with a Mistral-style sliding window longer than the ring, a ragged
+    batch whose sequences cross ring flushes: quantized, flushed-key and ring tokens all in view."""
+    calls = []
+    real = kivi_decode.decode
+    monkeypatch.setattr(kivi_decode, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, sliding_window=50)
+    params = init_params(cfg, jax.random.PRNGKey(1), std=0.2)
+    rng = np.random.RandomState(2)
+    prompts = [rng.randint(3, 128, n).tolist() for n in (5, 45)]
+    kw = dict(max_new_tokens=40, cache="k2v4-g32-r32", stop_at_eos=False)
+    xla = kivi_jax.generate(params, prompts, attention_impl="xla", **kw).token_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no silent fallback
+        pallas = kivi_jax.generate(params, prompts, attention_impl="pallas", **kw).token_ids
+    assert calls  # the kernel was traced into the decode step
+    assert pallas == xla
+    assert len(set(xla[0])) > 5  # not a degenerate repetition
