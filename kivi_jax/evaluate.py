@@ -231,11 +231,13 @@ def describe(spec: str) -> dict:
 
 
 def ablation_rows(results: dict) -> list[dict]:
-    """One row per (study, spec) of ABLATION present in `results`, with ΔNLL against full (mean and per window)."""
+    """One row per (study, spec) of ABLATION present in `results`, then any other spec of `results` (study "other");
+    with ΔNLL against full (mean and its range over the windows)."""
     full = results["full"]
+    pairs = [(study, spec_name(parse_cache_spec(spec))) for study, spec in ABLATION]
+    pairs += [("other", name) for name in results if name not in {n for _, n in pairs}]
     rows = []
-    for study, spec in ABLATION:
-        name = spec_name(parse_cache_spec(spec))
+    for study, name in pairs:
         if name not in results:
             continue
         r = results[name]

@@ -74,6 +74,23 @@ def test_evaluate_summarizes_every_spec_against_full(params, windows):
     assert results["full"]["kl_vs_full"] == 0 and results["full"]["top1_agree"] == 1
 
 
+def test_ablation_rows_hold_every_study_and_other_specs():
+    def result(nll, per_window):
+        return {"nll": nll, "nll_per_window": per_window, "kl_vs_full": 0.1, "top1_agree": 0.9}
+
+    results = {"full": result(2.0, [1.0, 3.0]), "k2v2-g32-r128": result(2.2, [1.1, 3.3]),
+               "k8v8-g32-r128": result(2.01, [1.0, 3.02])}
+    rows = evaluate.ablation_rows(results)
+    assert [(r["study"], r["spec"]) for r in rows] == [
+        ("reference", "full"), ("axes", "k2v2-g32-r128"), ("group size", "k2v2-g32-r128"),
+        ("residual", "k2v2-g32-r128"), ("bits", "k2v2-g32-r128"), ("other", "k8v8-g32-r128")]
+    kivi = rows[1]
+    assert kivi["delta_nll"] == pytest.approx(0.2) and (kivi["delta_min"], kivi["delta_max"]) == pytest.approx((0.1, 0.3))
+    assert rows[-1]["keys"] == "8-bit per-channel" and rows[-1]["values"] == "8-bit per-token"
+    assert "| other | `k8v8-g32-r128` |" in evaluate.ablation_markdown(rows)
+    assert len(evaluate.ablation_specs()) == 13 and evaluate.ablation_specs()[0] == "full"
+
+
 def test_windows_are_evenly_spaced():
     assert evaluate.window_starts(1000, 100, 50, 4) == [0, 283, 566, 849]  # i * (n - P - N - 1) / (W - 1)
     assert evaluate.window_starts(151, 100, 50, 3) == [0, 0, 0]
