@@ -264,7 +264,7 @@ def decode_kivi_xla(
     residual = k_ring.shape[2]
     qg = group_queries(q, kv_heads)
     main_end = jnp.minimum(k_store.quantized_end(length, residual), v_store.quantized_end(length, residual))
-    block = block_size(num_tokens, k_store.group_size, block)
+    block = block_size(num_tokens, max(k_store.group_size, v_store.group_size), block)  # whole per-channel groups
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)

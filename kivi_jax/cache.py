@@ -250,10 +250,11 @@ class KIVICache:
         kivi.check_shapes(cfg.head_dim, max_tokens)
         lead = (cfg.num_layers, batch, cfg.num_kv_heads)
         sd = quant.SCALE_DTYPES[kivi.scale_dtype]
-        g, d, r = kivi.group_size, cfg.head_dim, kivi.residual_length
+        d, r = cfg.head_dim, kivi.residual_length
         return cls(
-            k=QuantStore.zeros(lead, max_tokens, d, kivi.k_bits, g, kivi.key_axis, sd),
-            v=QuantStore.zeros(lead, max_tokens, d, kivi.v_bits, g, kivi.value_axis, sd),
+            k=QuantStore.zeros(lead, max_tokens, d, kivi.k_bits, kivi.store_group(kivi.key_axis, d), kivi.key_axis, sd),
+            v=QuantStore.zeros(lead, max_tokens, d, kivi.v_bits, kivi.store_group(kivi.value_axis, d), kivi.value_axis,
+                               sd),
             k_ring=jnp.zeros(lead + (r, d), dtype),
             v_ring=jnp.zeros(lead + (r, d), dtype),
             length=jnp.zeros((batch,), jnp.int32),
@@ -369,11 +370,13 @@ def kivi_cache_bytes(
 ) -> dict[str, int]:
     """DESIGN §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, bookkeeping)."""
     lbh = cfg.num_layers * batch * cfg.num_kv_heads
-    d, g, r = cfg.head_dim, kivi.group_size, kivi.residual_length
+    d, r = cfg.head_dim, kivi.residual_length
     scale_bytes = jnp.dtype(quant.SCALE_DTYPES[kivi.scale_dtype]).itemsize
+    # (scale, min) per group: G tokens x 1 channel (per-channel) or 1 token x channel_group channels (per-token)
+    groups = sum(max_tokens * d // kivi.store_group(axis, d) for axis in (kivi.key_axis, kivi.value_axis))
     parts = {
         "codes": lbh * max_tokens * d * (kivi.k_bits + kivi.v_bits) // 8,
-        "scales": 2 * 2 * lbh * max_tokens * (d // g) * scale_bytes,  # (scale, min) x (keys, values)
+        "scales": 2 * lbh * groups * scale_bytes,  # (scale, min) for keys and values
         "ring": 2 * lbh * r * d * compute_bytes,
         "bookkeeping": batch * (4 + 1),  # length int32 + overflow flag
     }

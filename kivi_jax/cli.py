@@ -119,8 +119,222 @@ def cmd_convert(args) -> int:
     return 0
 
 
+EVAL_DEFAULT_CACHES = "full,kivi2,kivi4"
+
+
+def _eval_model_and_text(args):
+    """The model and the token ids of `--text` (default: the pydoc prose) for an eval command."""
+    import kivi_jax
+    from kivi_jax import evaluate
+
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; eval needs one to turn --text into tokens")
+    if args.text is None:
+        text, name = evaluate.default_text(), evaluate.default_text_name()
+    else:
+        with open(args.text, encoding="utf-8") as f:
+            text, name = f.read(), args.text
+    return model, evaluate.tokenize(model.tokenizer, text), name
+
+
+def _progress_bar(total: int, show: bool):
+    """A tqdm bar on stderr over decode steps, and the `progress(spec, steps)` callback that advances it."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="step", file=sys.stderr, disable=not show, leave=False)
+
+    def progress(name: str, steps: int) -> None:
+        bar.set_description(name, refresh=False)
+        bar.update(steps)
+
+    return bar, progress
+
+
+def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
+    """Runs the teacher-forced protocol for `specs`; returns the JSON header and the results."""
+    from kivi_jax import evaluate
+
+    evaluate.check_protocol(args.prefill, args.decode, args.windows)
+    model, tokens, text_name = _eval_model_and_text(args)
+    windows = evaluate.make_windows(tokens, args.prefill, args.decode, args.windows)
+    n_specs = len(set(specs) | {"full"})
+    bar, progress = _progress_bar(n_specs * args.decode, show=not args.quiet)
+    try:
+        results = evaluate.evaluate(model.params, windows, args.prefill, specs, args.attention_impl, progress)
+    finally:
+        bar.close()
+    header = {"model": args.model, "text": text_name, "text_tokens": int(len(tokens)),
+              "window_starts": evaluate.window_starts(len(tokens), args.prefill, args.decode, args.windows),
+              "prefill": args.prefill, "decode": args.decode, "windows": args.windows}
+    return header, results
+
+
+def _split_specs(text: str) -> list[str]:
+    from kivi_jax.config import parse_cache_spec, spec_name
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise ValueError("--cache names no cache spec")
+    return [spec_name(parse_cache_spec(s)) for s in specs]  # a bad spec fails here, before the model loads
+
+
+def cmd_eval_ppl(args) -> int:
+    from kivi_jax import evaluate
+
+    header, results = _run_eval(args, _split_specs(args.cache))
+    if args.json:
+        print(json.dumps({**header, "results": results}))
+        return 0
+    print(f"model {header['model']}; text {header['text']} ({header['text_tokens']} tokens); {header['windows']} "
+          f"windows at {header['window_starts']}: prefill {header['prefill']}, then {header['decode']} tokens scored "
+          "one at a time through the cache")
+    print(evaluate.format_results(results))
+    return 0
+
+
+def _plot_ablation(rows: list[dict], path: str, title: str) -> None:
+    """A bar chart of ΔNLL per configuration, grouped by study, with the windows' range as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["spec"] != "full"]
+    studies = list(dict.fromkeys(r["study"] for r in rows))
+    colors = dict(zip(studies, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    y = list(range(len(rows)))[::-1]
+    mean = [r["delta_nll"] for r in rows]
+    err = [[r["delta_nll"] - r["delta_min"] for r in rows], [r["delta_max"] - r["delta_nll"] for r in rows]]
+    ax.barh(y, mean, xerr=err, color=[colors[r["study"]] for r in rows], capsize=2)
+    ax.set_yticks(y, [f"{r['study']}: {r['spec']}" for r in rows], fontsize=8)
+    ax.set_xlabel("ΔNLL vs full precision (nats/token); bars: mean, whiskers: windows' range")
+    ax.set_title(title, fontsize=9)
+    ax.axvline(0, color="black", linewidth=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_eval_ablate(args) -> int:
+    from kivi_jax import evaluate
+
+    specs = evaluate.ablation_specs() if args.cache is None else _split_specs(args.cache)
+    header, results = _run_eval(args, specs)
+    rows = evaluate.ablation_rows(results)
+    what = (f"{header['model']}, {header['text']}, {header['windows']} windows, prefill {header['prefill']}, "
+            f"decode {header['decode']}")
+    table = evaluate.ablation_markdown(rows)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(f"KIVI ablation ({what}): ΔNLL against full precision through the cache.\n\n{table}")
+    if args.plot:
+        _plot_ablation(rows, args.plot, f"KIVI ablation: {what}")
+    if args.json:
+        print(json.dumps({**header, "results": results, "rows": rows}))
+    else:
+        print(f"ΔNLL against full precision ({what})")
+        print(table, end="")
+        wrote = [p for p in (args.out, args.plot) if p]
+        if wrote:
+            print(f"wrote {', '.join(wrote)}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval_errors(args) -> int:
+    import numpy as np
+
+    from kivi_jax import evaluate
+
+    if args.tokens < args.group_size or args.tokens % args.group_size:
+        raise ValueError(f"--tokens {args.tokens} must be a positive multiple of --group-size {args.group_size}")
+    if args.windows < 1:
+        raise ValueError(f"--windows must be at least 1 (got {args.windows})")
+    model, tokens, text_name = _eval_model_and_text(args)
+    if len(tokens) < args.tokens:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than --tokens {args.tokens}")
+    starts = evaluate.window_starts(len(tokens), args.tokens - 1, 0, args.windows)
+    windows = np.stack([tokens[s : s + args.tokens] for s in starts])
+    errors = evaluate.consumption_errors(model.params, windows, args.bits, args.group_size)
+    summary = evaluate.errors_summary(errors)
+    if args.json:
+        print(json.dumps({"model": args.model, "text": text_name, "tokens": args.tokens, "windows": args.windows,
+                          "window_starts": starts, "bits": args.bits, "group_size": args.group_size,
+                          "per_layer": {k: v.tolist() for k, v in errors.items()}, "summary": summary}))
+        return 0
+    print(f"relative error (Frobenius) of {args.bits}-bit quantization, groups of {args.group_size}, every token "
+          f"quantized; {args.windows} windows of {args.tokens} tokens of {text_name}; 'out' = softmax(q·k)·v with only "
+          "the keys (K) or only the values (V) quantized")
+    print(evaluate.format_errors(errors))
+    print(evaluate.errors_summary_line(summary))
+    return 0
+
+
+def _add_eval_common(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--text", default=None,
+                   help="a UTF-8 text file to evaluate on (default: the prose of Python's pydoc_data.topics)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_protocol_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens per window, prefilled at once (default 512)")
+    p.add_argument("--decode", type=int, default=256,
+                   help="tokens then fed one at a time through the cache, each prediction scored (default 256)")
+    p.add_argument("--windows", type=int, default=4,
+                   help="windows evenly spaced over the text, run as one batch (default 4)")
+    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
+                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
 def add_eval_parser(sub) -> None:
     """`kivi-jax eval ppl | ablate | errors`: quality through the cache (kivi_jax.evaluate)."""
+    e = sub.add_parser("eval", help="quality through the cache: perplexity, the KIVI ablation, error diagnostics",
+                       description="Quality of a cache configuration, measured through the cache (DESIGN §6).")
+    esub = e.add_subparsers(dest="eval_command", required=True)
+
+    p = esub.add_parser(
+        "ppl", help="NLL / perplexity, KL and top-1 agreement vs full precision, through the cache",
+        description="Teacher-forced loss through the cache: windows of the text, each prefilled with --prefill tokens, "
+                    "then --decode tokens fed one at a time through the cache, every prediction scored. 'full' is "
+                    "always run first; KL(full || cache) and top-1 agreement are against it.",
+        epilog=SPEC_HELP,
+    )
+    _add_eval_common(p)
+    _add_protocol_args(p)
+    p.add_argument("--cache", default=EVAL_DEFAULT_CACHES,
+                   help=f"comma-separated cache specs (default {EVAL_DEFAULT_CACHES}); the grammar is below")
+    p.set_defaults(func=cmd_eval_ppl)
+
+    a = esub.add_parser(
+        "ablate", help="the KIVI ablation: axes, group size, residual length, mixed bits; markdown table and plot",
+        description="Runs the ablation through the cache: the four key/value axis combinations at 2 bits (G32, R128), "
+                    "G in {32, 64, 128}, R in {32, 64, 128, 256}, mixed bits k2v4 and k4v2, plus full and kivi4; "
+                    "writes a markdown table and a PNG plot of ΔNLL against full precision.",
+        epilog=SPEC_HELP,
+    )
+    _add_eval_common(a)
+    _add_protocol_args(a)
+    a.add_argument("--cache", default=None, help="comma-separated specs to run instead of the ablation's")
+    a.add_argument("--out", default="ablation.md", help="markdown table to write (default ablation.md; '' for none)")
+    a.add_argument("--plot", default="ablation.png", help="PNG plot to write (default ablation.png; '' for none)")
+    a.set_defaults(func=cmd_eval_ablate)
+
+    r = esub.add_parser(
+        "errors", help="per-layer error of quantized keys/values: the tensor, the scores q·k, the attention output",
+        description="On real activations of the model over the text: for each layer and each quantization axis, the "
+                    "relative error of the keys and values themselves, of the attention scores q·k, and of the "
+                    "attention output softmax(q·k)·v (the KIVI paper's analysis). Every token is quantized (no "
+                    "residual).",
+    )
+    _add_eval_common(r)
+    r.add_argument("--tokens", type=int, default=512, help="tokens per window (a multiple of --group-size; default 512)")
+    r.add_argument("--windows", type=int, default=2, help="windows evenly spaced over the text (default 2)")
+    r.add_argument("--bits", type=int, choices=(2, 4, 8), default=2, help="bits for keys and values (default 2)")
+    r.add_argument("--group-size", type=int, default=32, help="group size G (default 32)")
+    r.set_defaults(func=cmd_eval_errors)
 
 
 def add_bench_parser(sub) -> None:

@@ -48,11 +48,12 @@ class KIVIConfig:
     def check_shapes(self, head_dim: int, max_tokens: int) -> None:
         """Raises a clear error unless a cache of `max_tokens` tokens with this `head_dim` can be built."""
         g, r = self.group_size, self.residual_length
-        if head_dim % g:
+        if head_dim % self.channel_group(head_dim) or (g > head_dim and g % head_dim):
             divisors = [d for d in (32, 64, 128) if head_dim % d == 0 and r % d == 0]
             raise ValueError(
-                f"group_size={g} does not divide head_dim={head_dim}; per-token groups run over channels "
-                f"(try group_size in {divisors or [d for d in range(1, head_dim + 1) if head_dim % d == 0]})"
+                f"group_size={g} does not divide head_dim={head_dim} (nor is it a multiple of it); per-token groups "
+                f"run over channels (try group_size in "
+                f"{divisors or [d for d in range(1, head_dim + 1) if head_dim % d == 0]})"
             )
         for bits in (self.k_bits, self.v_bits):
             if head_dim % (8 // bits):
@@ -62,6 +63,15 @@ class KIVIConfig:
             raise ValueError(
                 f"max_tokens={max_tokens} must be a positive multiple of residual_length={r} (e.g. {up})"
             )
+
+    def channel_group(self, head_dim: int) -> int:
+        """Channels a per-token group spans: G, or the whole head when G > head_dim (e.g. G=128 with head_dim 64:
+        per-channel stores group 128 tokens, per-token stores one (scale, min) per head of 64 channels)."""
+        return min(self.group_size, head_dim)
+
+    def store_group(self, axis: str, head_dim: int) -> int:
+        """The group size of a store on `axis`: G tokens (per-channel) or `channel_group` channels (per-token)."""
+        return self.group_size if axis == "channel" else self.channel_group(head_dim)
 
     @property
     def spec(self) -> str:
@@ -83,7 +93,9 @@ ALIASES = {
 
 SPEC_HELP = (
     "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
-    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16] with bits in {2,4,8}, e.g. k4v2-g64-r128; "
+    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16] with bits in {2,4,8}, group size G (default 32: "
+    "tokens per group for per-channel stores, channels, at most head_dim, for per-token ones) and residual length R "
+    "(default 128, a multiple of G), e.g. k4v2-g64-r128; "
     "-ktok quantizes keys per-token and -vchan values per-channel (the axis ablation); -sf32/-sbf16 store scales "
     "and mins in float32/bfloat16 instead of float16"
 )

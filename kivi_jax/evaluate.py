@@ -1,4 +1,5 @@
-"""Quality through the cache: teacher-forced next-token loss, KL and top-1 agreement against full precision.
+"""Quality through the cache: teacher-forced next-token loss, KL and top-1 agreement against full precision; the axis
+ablation; the error of quantized keys and values where attention consumes them.
 
 Protocol (DESIGN §6): windows of P + N + 1 tokens; prefill P tokens, then feed N tokens one at a time through the
 cache, scoring each decode step's prediction of the next token (N scored tokens a window). All windows run as one
@@ -8,15 +9,22 @@ batch; `full` runs first and its log-probabilities are the reference for KL and 
 from __future__ import annotations
 
 import functools
+import platform
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import quant
 from kivi_jax.cache import make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
+from models.attention import causal_attention
 from models.llama import Params, forward
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Text and windows
 
 
 def default_text() -> str:
@@ -24,6 +32,16 @@ def default_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def default_text_name() -> str:
+    """What `default_text` is on this machine: its content changes with the Python version."""
+    return f"pydoc_data.topics (Python {platform.python_version()})"
+
+
+def tokenize(tokenizer, text: str) -> np.ndarray:
+    """Token ids `[n]` of a text as the tokenizer's plain call gives them (no chat template)."""
+    return np.asarray(tokenizer(text)["input_ids"], np.int32)
 
 
 def window_starts(n_tokens: int, prefill: int, decode: int, windows: int) -> list[int]:
@@ -45,19 +63,47 @@ def make_windows(tokens, prefill: int, decode: int, windows: int) -> np.ndarray:
     return np.stack([tokens[s : s + size] for s in window_starts(len(tokens), prefill, decode, windows)])
 
 
+def check_protocol(prefill: int, decode: int, windows: int) -> None:
+    """A clear error for a protocol that cannot run."""
+    for name, value in (("prefill", prefill), ("decode", decode), ("windows", windows)):
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1 (got {value})")
+    if prefill < 2:
+        raise ValueError(f"--prefill must be at least 2 tokens (got {prefill}): a single token is a decode step")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Teacher-forced decoding through the cache
+
+
 def cache_tokens(prefill: int, decode: int, spec) -> int:
     """Cache size for a run: prefill + decode rounded up to the residual length (KIVI) or 128 (full)."""
     multiple = 128 if spec == "full" else spec.residual_length
     return -(-(prefill + decode) // multiple) * multiple
 
 
-@functools.partial(jax.jit, static_argnames=("prefill", "spec", "impl"))
-def _teacher_forced(params: Params, windows: jax.Array, ref_logprobs, prefill: int, spec, impl: str = "auto"):
-    """Per scored token `[windows, decode]`: NLL, KL(ref || ours), top-1 agreement with ref; and our log-probs."""
-    n_win, size = windows.shape
-    decode = size - prefill - 1
-    cache = make_cache(spec, params.config, n_win, cache_tokens(prefill, decode, spec), params.dtype, impl)
-    _, cache = forward(params, windows[:, :prefill], cache, logits_at=jnp.full((n_win,), prefill - 1))
+def chunk_size(decode: int, most: int = 32) -> int:
+    """Decode steps a compiled call runs: the largest divisor of `decode` up to `most` (all of them when that is tiny)."""
+    best = max(d for d in range(1, min(decode, most) + 1) if decode % d == 0)
+    return best if best >= 4 else decode
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "max_tokens", "impl"))
+def _prefill(params: Params, prompts: jax.Array, spec, max_tokens: int, impl: str):
+    """A fresh cache filled with `prompts [windows, prefill]`."""
+    n_win, prefill = prompts.shape
+    cache = make_cache(spec, params.config, n_win, max_tokens, params.dtype, impl)
+    _, cache = forward(params, prompts, cache, logits_at=jnp.full((n_win,), prefill - 1))
+    return cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _decode_steps(params: Params, cache, inputs: jax.Array, targets: jax.Array, ref):
+    """Feeds `inputs [steps, windows]` one step at a time and scores the predictions of `targets [steps, windows]`.
+
+    Returns the cache and per step `[steps, windows]`: NLL, KL(ref || ours), top-1 agreement with ref; and, without a
+    reference (`ref` None, the full-precision run), our log-probabilities `[steps, windows, vocab]`.
+    """
 
     def step(cache, xs):
         tok, target, ref = xs  # [windows], [windows], [windows, vocab] or None
@@ -70,32 +116,67 @@ def _teacher_forced(params: Params, windows: jax.Array, ref_logprobs, prefill: i
         top1 = (jnp.argmax(logp, -1) == jnp.argmax(ref, -1)).astype(jnp.float32)
         return cache, (nll, kl, top1, None)
 
+    return jax.lax.scan(step, cache, (inputs, targets, ref))
+
+
+def teacher_forced(
+    params: Params, windows, prefill: int, spec, ref_logprobs=None, impl: str = "auto",
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Runs one cache spec over `windows [windows, prefill + decode + 1]`.
+
+    Returns per scored token `[windows, decode]` arrays `nll`, `kl`, `top1` (against `ref_logprobs`, the `logprobs`
+    of an earlier run: step-major `[decode, windows, vocab]`), this run's `logprobs` when it had no reference, and
+    timings: `compile_seconds`, `prefill_seconds`, `decode_seconds` (compilation excluded from both).
+    `progress(steps)` is called as decode steps complete.
+    """
+    spec = parse_cache_spec(spec)
+    windows = jnp.asarray(windows, jnp.int32)
+    n_win, size = windows.shape
+    decode = size - prefill - 1
+    check_protocol(prefill, decode, n_win)
+    max_tokens = cache_tokens(prefill, decode, spec)
     inputs = windows[:, prefill : prefill + decode].T  # [decode, windows]
     targets = windows[:, prefill + 1 :].T
-    ref = None if ref_logprobs is None else jnp.swapaxes(ref_logprobs, 0, 1)
-    _, (nll, kl, top1, logp) = jax.lax.scan(step, cache, (inputs, targets, ref))
-    logp = None if logp is None else jnp.swapaxes(logp, 0, 1)
-    return nll.T, kl.T, top1.T, logp
+    chunk = chunk_size(decode)
 
+    def ref_at(i):
+        return None if ref_logprobs is None else ref_logprobs[i : i + chunk]
 
-def teacher_forced(params: Params, windows, prefill: int, spec, ref_logprobs=None, impl: str = "auto") -> dict:
-    """Runs one cache spec over the windows; returns per-token arrays and timing."""
-    spec = parse_cache_spec(spec)
     t0 = time.perf_counter()
-    nll, kl, top1, logp = _teacher_forced(params, jnp.asarray(windows), ref_logprobs, prefill, spec, impl)
-    nll = np.asarray(nll)
-    seconds = time.perf_counter() - t0
-    return {"nll": nll, "kl": np.asarray(kl), "top1": np.asarray(top1), "logprobs": logp, "seconds": seconds}
+    prompts = windows[:, :prefill]
+    run_prefill = _prefill.lower(params, prompts, spec, max_tokens, impl).compile()
+    cache_shape = jax.eval_shape(lambda p, w: _prefill(p, w, spec, max_tokens, impl), params, prompts)
+    run_steps = _decode_steps.lower(params, cache_shape, inputs[:chunk], targets[:chunk], ref_at(0)).compile()
+    t1 = time.perf_counter()
+    cache = jax.block_until_ready(run_prefill(params, prompts))
+    t2 = time.perf_counter()
+    outs = []
+    for i in range(0, decode, chunk):
+        cache, out = run_steps(params, cache, inputs[i : i + chunk], targets[i : i + chunk], ref_at(i))
+        jax.block_until_ready(out[0])
+        outs.append(out)
+        if progress is not None:
+            progress(chunk)
+    t3 = time.perf_counter()
+    nll, kl, top1 = (np.concatenate([np.asarray(o[j]) for o in outs]).T for j in range(3))  # [windows, decode]
+    logp = None if ref_logprobs is not None else jnp.concatenate([o[3] for o in outs])
+    return {"nll": nll, "kl": kl, "top1": top1, "logprobs": logp, "compile_seconds": t1 - t0,
+            "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2}
 
 
-def evaluate(params: Params, windows, prefill: int, specs, impl: str = "auto", progress=None) -> dict:
-    """Mean NLL, perplexity, KL vs full, top-1 agreement and throughput for each spec (`full` always included)."""
-    names = [spec_name(parse_cache_spec(s)) for s in specs]
-    if "full" not in names:
-        names = ["full"] + names
+def evaluate(
+    params: Params, windows, prefill: int, specs, impl: str = "auto",
+    progress: Callable[[str, int], None] | None = None,
+) -> dict:
+    """Mean NLL, perplexity, KL vs full, top-1 agreement and decode throughput for each spec (`full` always included,
+    first). `progress(spec_name, steps)` is called as decode steps complete."""
+    names = list(dict.fromkeys(spec_name(parse_cache_spec(s)) for s in specs))
+    names = ["full"] + [n for n in names if n != "full"]
     results, ref = {}, None
     for name in names:
-        out = teacher_forced(params, windows, prefill, name, ref, impl)
+        tick = None if progress is None else functools.partial(progress, name)
+        out = teacher_forced(params, windows, prefill, name, ref, impl, tick)
         if name == "full":
             ref = out["logprobs"]
         tokens = out["nll"].size
@@ -105,9 +186,245 @@ def evaluate(params: Params, windows, prefill: int, specs, impl: str = "auto", p
             "kl_vs_full": float(out["kl"].mean()),
             "top1_agree": float(out["top1"].mean()),
             "tokens": int(tokens),
-            "decode_tokens_per_s": tokens / out["seconds"],
+            "decode_tokens_per_s": tokens / out["decode_seconds"],
             "nll_per_window": out["nll"].mean(axis=1).tolist(),
         }
-        if progress is not None:
-            progress(name, results[name])
     return results
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The ablation: axes, group size, residual length, mixed bits
+
+ABLATION = (
+    # (study, spec): every study holds KIVI's 2-bit configuration (k2v2-g32-r128) as its reference row
+    ("reference", "full"),
+    ("reference", "kivi4"),
+    ("axes", "k2v2-g32-r128"),
+    ("axes", "k2v2-g32-r128-ktok-vchan"),
+    ("axes", "k2v2-g32-r128-vchan"),
+    ("axes", "k2v2-g32-r128-ktok"),
+    ("group size", "k2v2-g32-r128"),
+    ("group size", "k2v2-g64-r128"),
+    ("group size", "k2v2-g128-r128"),
+    ("residual", "k2v2-g32-r32"),
+    ("residual", "k2v2-g32-r64"),
+    ("residual", "k2v2-g32-r128"),
+    ("residual", "k2v2-g32-r256"),
+    ("bits", "k2v2-g32-r128"),
+    ("bits", "k4v2-g32-r128"),
+    ("bits", "k2v4-g32-r128"),
+)
+
+
+def ablation_specs() -> list[str]:
+    """The distinct canonical specs of the ablation, in order (`full` first)."""
+    return list(dict.fromkeys(spec_name(parse_cache_spec(s)) for _, s in ABLATION))
+
+
+def describe(spec: str) -> dict:
+    """Bits, axes, group size and residual length of a spec, for tables."""
+    cfg = parse_cache_spec(spec)
+    if cfg == "full":
+        return {"keys": "full", "values": "full", "G": "", "R": ""}
+    return {"keys": f"{cfg.k_bits}-bit per-{cfg.key_axis}", "values": f"{cfg.v_bits}-bit per-{cfg.value_axis}",
+            "G": cfg.group_size, "R": cfg.residual_length}
+
+
+def ablation_rows(results: dict) -> list[dict]:
+    """One row per (study, spec) of ABLATION present in `results`, then any other spec of `results` (study "other");
+    with ΔNLL against full (mean and its range over the windows)."""
+    full = results["full"]
+    pairs = [(study, spec_name(parse_cache_spec(spec))) for study, spec in ABLATION]
+    pairs += [("other", name) for name in results if name not in {n for _, n in pairs}]
+    rows = []
+    for study, name in pairs:
+        if name not in results:
+            continue
+        r = results[name]
+        deltas = [a - b for a, b in zip(r["nll_per_window"], full["nll_per_window"])]
+        rows.append({"study": study, "spec": name, **describe(name), "nll": r["nll"],
+                     "delta_nll": r["nll"] - full["nll"], "delta_min": min(deltas), "delta_max": max(deltas),
+                     "kl_vs_full": r["kl_vs_full"], "top1_agree": r["top1_agree"]})
+    return rows
+
+
+def ablation_markdown(rows: list[dict]) -> str:
+    """The ablation as a markdown table."""
+    lines = ["| study | spec | keys | values | G | R | NLL | ΔNLL | ΔNLL by window | KL(full‖q) | top-1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['study']} | `{r['spec']}` | {r['keys']} | {r['values']} | {r['G']} | {r['R']} | {r['nll']:.4f} | "
+            f"{r['delta_nll']:+.4f} | {r['delta_min']:+.3f} … {r['delta_max']:+.3f} | {r['kl_vs_full']:.4f} | "
+            f"{r['top1_agree']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Error at consumption: quantized keys and values where attention uses them (the KIVI paper's analysis)
+
+
+class _Recorder:
+    """A stand-in cache for one prefill: full-precision causal attention, recording every layer's q, k, v."""
+
+    def __init__(self, batch: int):
+        self.length = jnp.zeros((batch,), jnp.int32)
+        self.recorded = None
+
+    def prefill_attend(self, layer, q, k, v, num_new, window):
+        return causal_attention(q, k, v, num_new, window), {"q": q, "k": k, "v": v}
+
+    def commit(self, updates, num_new):
+        self.recorded = updates
+        return self
+
+
+@jax.jit
+def capture_qkv(params: Params, tokens: jax.Array) -> dict:
+    """Real activations of a full-precision forward over `tokens [batch, tokens]`: per layer the RoPE'd queries
+    `q [layers, batch, tokens, q_heads, head_dim]` and keys `k`, and values `v` `[layers, batch, tokens, kv_heads,
+    head_dim]`, as attention consumes them."""
+    recorder = _Recorder(tokens.shape[0])
+    forward(params, tokens, recorder, logits_at=jnp.zeros((tokens.shape[0],), jnp.int32))
+    return recorder.recorded
+
+
+def fake_quant(x: jax.Array, axis: str, bits: int, group_size: int, scale_dtype=jnp.float16) -> jax.Array:
+    """`x [..., tokens, head_dim]` quantized and restored: per-channel (groups of G tokens) or per-token (groups of
+    min(G, head_dim) channels), exactly as the cache quantizes."""
+    if axis == "channel":
+        codes, scale, mn = quant.quantize(x, bits, group_size, axis=-2, scale_dtype=scale_dtype)
+        return quant.dequantize(codes, scale, mn, group_size, axis=-2)
+    g = min(group_size, x.shape[-1])
+    codes, scale, mn = quant.quantize(x, bits, g, axis=-1, scale_dtype=scale_dtype)
+    return quant.dequantize(codes, scale, mn, g, axis=-1)
+
+
+def _rel(err: jax.Array, ref: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(err * err) / jnp.sum(ref * ref))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
+def _layer_errors(q, k, v, bits: int, group_size: int) -> dict:
+    """One layer: q `[batch, tokens, q_heads, D]`, k/v `[batch, tokens, kv_heads, D]` -> relative errors (scalars)."""
+    batch, tokens, q_heads, d = q.shape
+    kv_heads = k.shape[2]
+    k = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [batch, kv_heads, tokens, D]
+    v = jnp.swapaxes(v, 1, 2).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, tokens, kv_heads, q_heads // kv_heads, d) * d**-0.5
+    causal = jnp.tril(jnp.ones((tokens, tokens), bool))  # [query, key]
+
+    def scores(keys):  # [batch, kv_heads, n_rep, query, key], zero above the diagonal
+        s = jnp.einsum("bqhrd,bhkd->bhrqk", qg, keys, precision="highest")
+        return jnp.where(causal, s, 0.0)
+
+    def output(s, values):  # attention output [batch, kv_heads, n_rep, query, D]
+        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhrqk,bhkd->bhrqd", p, values, precision="highest")
+
+    s_ref = scores(k)
+    o_ref = output(s_ref, v)
+    out = {}
+    for axis in ("channel", "token"):
+        kq = fake_quant(k, axis, bits, group_size)
+        s = scores(kq)
+        out[f"k_{axis}_tensor"] = _rel(kq - k, k)
+        out[f"k_{axis}_scores"] = _rel(s - s_ref, s_ref)
+        out[f"k_{axis}_output"] = _rel(output(s, v) - o_ref, o_ref)
+        vq = fake_quant(v, axis, bits, group_size)
+        out[f"v_{axis}_tensor"] = _rel(vq - v, v)
+        out[f"v_{axis}_output"] = _rel(output(s_ref, vq) - o_ref, o_ref)
+    return out
+
+
+def consumption_errors(params: Params, windows, bits: int = 2, group_size: int = 32) -> dict[str, np.ndarray]:
+    """Per layer `[layers]`, over `windows [batch, tokens]` of real text, the relative (Frobenius) error that
+    quantizing the whole sequence's keys or values on each axis causes in: the tensor itself (`*_tensor`), the
+    attention scores q·k (`k_*_scores`), and the attention output softmax(q·k)·v (`*_output`; keys or values alone
+    quantized). No residual: every token is quantized."""
+    windows = jnp.asarray(windows, jnp.int32)
+    if windows.shape[1] % group_size:
+        raise ValueError(f"the windows' {windows.shape[1]} tokens must be a multiple of group_size={group_size}")
+    acts = capture_qkv(params, windows)
+    per_layer = [_layer_errors(acts["q"][i], acts["k"][i], acts["v"][i], bits, group_size)
+                 for i in range(params.config.num_layers)]
+    return {name: np.array([float(e[name]) for e in per_layer]) for name in per_layer[0]}
+
+
+ERROR_COLUMNS = (
+    # (column, key): keys quantized on each axis, then values
+    ("K-chan tensor", "k_channel_tensor"), ("K-tok tensor", "k_token_tensor"),
+    ("K-chan q·k", "k_channel_scores"), ("K-tok q·k", "k_token_scores"),
+    ("K-chan out", "k_channel_output"), ("K-tok out", "k_token_output"),
+    ("V-tok tensor", "v_token_tensor"), ("V-chan tensor", "v_channel_tensor"),
+    ("V-tok out", "v_token_output"), ("V-chan out", "v_channel_output"),
+)
+
+
+def errors_summary(errors: dict[str, np.ndarray]) -> dict:
+    """Means over layers and, per tensor, in how many layers each axis wins on reconstruction and on consumption."""
+    n = len(errors["k_channel_tensor"])
+    mean = {key: float(errors[key].mean()) for _, key in ERROR_COLUMNS}
+
+    def wins(a, b):
+        return int(np.sum(errors[a] < errors[b]))
+
+    summary = {
+        "layers": n,
+        "mean": mean,
+        "keys_channel_better_tensor": wins("k_channel_tensor", "k_token_tensor"),
+        "keys_channel_better_output": wins("k_channel_output", "k_token_output"),
+        "values_token_better_tensor": wins("v_token_tensor", "v_channel_tensor"),
+        "values_token_better_output": wins("v_token_output", "v_channel_output"),
+    }
+    # layers where the axis with the smaller tensor error gives the larger attention-output error
+    summary["values_disagree_layers"] = int(np.sum(
+        (errors["v_token_tensor"] < errors["v_channel_tensor"]) != (errors["v_token_output"] < errors["v_channel_output"])
+    ))
+    summary["keys_disagree_layers"] = int(np.sum(
+        (errors["k_channel_tensor"] < errors["k_token_tensor"]) != (errors["k_channel_output"] < errors["k_token_output"])
+    ))
+    return summary
+
+
+def errors_summary_line(s: dict) -> str:
+    """One line that says what the per-layer table shows."""
+    m, n = s["mean"], s["layers"]
+    return (
+        f"keys: per-channel tensor error {m['k_channel_tensor']:.3f} vs per-token {m['k_token_tensor']:.3f} "
+        f"(per-channel smaller in {s['keys_channel_better_tensor']}/{n} layers), attention output "
+        f"{m['k_channel_output']:.3f} vs {m['k_token_output']:.3f} ({s['keys_channel_better_output']}/{n}); "
+        f"values: per-token tensor error {m['v_token_tensor']:.3f} vs per-channel {m['v_channel_tensor']:.3f} "
+        f"(per-token smaller in {s['values_token_better_tensor']}/{n} layers), attention output "
+        f"{m['v_token_output']:.3f} vs {m['v_channel_output']:.3f} ({s['values_token_better_output']}/{n}); "
+        f"for values the axis with the smaller reconstruction error has the larger output error in "
+        f"{s['values_disagree_layers']}/{n} layers (keys: {s['keys_disagree_layers']}/{n})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def format_results(results: dict) -> str:
+    """A readable table of `evaluate`'s results, with ΔNLL against full."""
+    full = results["full"]["nll"]
+    width = max(len(k) for k in results) + 2
+    lines = [f"{'cache':<{width}}{'NLL':>8}{'ΔNLL':>9}{'ppl':>9}{'KL(full‖q)':>12}{'top-1':>8}{'tok/s':>9}"]
+    for name, r in results.items():
+        lines.append(
+            f"{name:<{width}}{r['nll']:>8.4f}{r['nll'] - full:>+9.4f}{r['ppl']:>9.3f}{r['kl_vs_full']:>12.5f}"
+            f"{r['top1_agree']:>8.3f}{r['decode_tokens_per_s']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def format_errors(errors: dict[str, np.ndarray]) -> str:
+    """The per-layer error table, plus a mean row."""
+    head = f"{'layer':>5} " + " ".join(f"{c:>13}" for c, _ in ERROR_COLUMNS)
+    rows = [head]
+    for i in range(len(errors["k_channel_tensor"])):
+        rows.append(f"{i:>5} " + " ".join(f"{errors[k][i]:>13.4f}" for _, k in ERROR_COLUMNS))
+    rows.append(f"{'mean':>5} " + " ".join(f"{errors[k].mean():>13.4f}" for _, k in ERROR_COLUMNS))
+    return "\n".join(rows)
