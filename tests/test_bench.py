@@ -4,7 +4,6 @@ Speed is never asserted."""
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
