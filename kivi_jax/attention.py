@@ -157,45 +157,53 @@ def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, bl
 # KIVI: scores and weighted values straight from codes, scales and mins folded in (never a dequantized cache)
 
 
-def code_slabs(store) -> list[jax.Array]:
-    """The planar slabs of a store block: slab i is float32 `[batch, kv_heads, tokens, D/p]` holding channels
-    `[i*D/p, (i+1)*D/p)`, unpacked with one shift and one mask (no interleaving, no concatenation)."""
-    p = 8 // store.bits
-    mask = jnp.uint8(2**store.bits - 1)
-    return [((store.codes >> (store.bits * i)) & mask).astype(jnp.float32) for i in range(p)]
+def unpack_codes(store) -> jax.Array:
+    """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's codes in channel order, in one fused loop.
 
-
-def channel_pieces(head_dim: int, bits: int, group_size: int) -> list[tuple[int, int, int, int]]:
-    """Channel ranges that lie in one slab and one per-token group: (slab, first column in slab, width, group)."""
-    width = head_dim // (8 // bits)
-    piece = min(width, group_size)
-    return [(c // width, c % width, piece, c // group_size) for c in range(0, head_dim, piece)]
+    The shifts and masks run on 32-bit words of four packed bytes (SWAR): shifting a word right by `bits * i` and
+    masking every byte leaves slab i's codes of those four bytes in place, and the words read back as bytes lay the
+    slabs out as `[p, D/p]`, which is channel order for planar packing; no concatenation, no byte-wide variable
+    shifts (both are slow loops on XLA:CPU; see docs/benchmarks.md). Rows of D/p bytes not a multiple of 4 use
+    16-bit or 8-bit words.
+    """
+    codes, bits = store.codes, store.bits
+    p = 8 // bits
+    if p == 1:
+        return codes.astype(jnp.float32)
+    lead, width = codes.shape[:-1], codes.shape[-1]
+    n = next(k for k in (4, 2, 1) if width % k == 0)  # bytes a word
+    word = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[n]
+    words = codes if n == 1 else jax.lax.bitcast_convert_type(codes.reshape(lead + (width // n, n)), word)
+    mask = jnp.asarray(int.from_bytes(bytes([2**bits - 1]) * n, "little"), word)  # the low `bits` of every byte
+    shifts = (bits * jnp.arange(p, dtype=word))[:, None]  # [p, 1]
+    slabs = (words[..., None, :] >> shifts) & mask  # [..., p, width / n] words
+    if n > 1:
+        slabs = jax.lax.bitcast_convert_type(slabs, jnp.uint8)  # [..., p, width / n, n] bytes
+    return slabs.reshape(lead + (p * width,)).astype(jnp.float32)
 
 
 def quantized_scores(q: jax.Array, store) -> jax.Array:
     """q `[batch, kv_heads, n_rep, head_dim]` against the keys of a store block -> `[batch, kv_heads, n_rep, tokens]`.
 
-    Per-channel keys fold their scale into q (one scaled q per token group); per-token keys scale the partial dots.
+    Per-channel keys fold their scale into q (one scaled q per token group); per-token keys scale the partial dots
+    of each channel group.
     """
-    slabs = code_slabs(store)
-    batch, kv_heads, tokens, width = slabs[0].shape
-    head_dim = width * len(slabs)
+    codes = unpack_codes(store)  # [batch, kv_heads, tokens, head_dim]
+    batch, kv_heads, tokens, head_dim = codes.shape
     g = store.group_size
     scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
     if store.axis == "channel":  # scale, mn [batch, kv_heads, tokens // G, head_dim]
         q_scaled = q[:, :, :, None, :] * scale[:, :, None]  # [batch, kv_heads, n_rep, groups, head_dim]
-        scores = jnp.einsum("bhrd,bhgd->bhrg", q, mn)[..., None]  # the mins' part, per group
-        for i, slab in enumerate(slabs):
-            grouped = slab.reshape(batch, kv_heads, tokens // g, g, width)
-            scores = scores + jnp.einsum("bhgtj,bhrgj->bhrgt", grouped, q_scaled[..., i * width : (i + 1) * width])
+        grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
+        scores = jnp.einsum("bhgtd,bhrgd->bhrgt", grouped, q_scaled)
+        scores = scores + jnp.einsum("bhrd,bhgd->bhrg", q, mn)[..., None]  # the mins' part, per group
         return scores.reshape(q.shape[:3] + (tokens,))
     # per-token: scale, mn [batch, kv_heads, tokens, head_dim // G]
     q_sums = q.reshape(q.shape[:3] + (head_dim // g, g)).sum(-1)  # [batch, kv_heads, n_rep, groups]
     scores = jnp.einsum("bhrg,bhtg->bhrt", q_sums, mn)
-    for slab_i, col, n, grp in channel_pieces(head_dim, store.bits, g):
-        dots = jnp.einsum("bhrj,bhtj->bhrt", q[..., slab_i * width + col : slab_i * width + col + n],
-                          slabs[slab_i][..., col : col + n])
-        scores = scores + dots * scale[:, :, None, :, grp]
+    for i in range(head_dim // g):
+        dots = jnp.einsum("bhrj,bhtj->bhrt", q[..., i * g : (i + 1) * g], codes[..., i * g : (i + 1) * g])
+        scores = scores + dots * scale[:, :, None, :, i]
     return scores
 
 
@@ -205,26 +213,22 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
     Per-token values fold their scale into p (one scaled p per channel group); per-channel values scale the partial
     sums of each token group.
     """
-    slabs = code_slabs(store)
-    batch, kv_heads, tokens, width = slabs[0].shape
-    head_dim = width * len(slabs)
+    codes = unpack_codes(store)  # [batch, kv_heads, tokens, head_dim]
+    batch, kv_heads, tokens, head_dim = codes.shape
     g = store.group_size
     scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
     if store.axis == "token":  # scale, mn [batch, kv_heads, tokens, head_dim // G]
         mins = jnp.repeat(jnp.einsum("bhrt,bhtg->bhrg", p, mn), g, axis=-1)  # [batch, kv_heads, n_rep, head_dim]
         pieces = [
-            jnp.einsum("bhrt,bhtj->bhrj", p * scale[:, :, None, :, grp], slabs[slab_i][..., col : col + n])
-            for slab_i, col, n, grp in channel_pieces(head_dim, store.bits, g)
+            jnp.einsum("bhrt,bhtj->bhrj", p * scale[:, :, None, :, i], codes[..., i * g : (i + 1) * g])
+            for i in range(head_dim // g)
         ]
         return jnp.concatenate(pieces, axis=-1) + mins
     # per-channel: scale, mn [batch, kv_heads, tokens // G, head_dim]
     pg = p.reshape(p.shape[:3] + (tokens // g, g))  # [batch, kv_heads, n_rep, groups, G]
     acc = jnp.einsum("bhrg,bhgd->bhrd", pg.sum(-1), mn)
-    parts = []
-    for i, slab in enumerate(slabs):
-        sums = jnp.einsum("bhrgt,bhgtj->bhrgj", pg, slab.reshape(batch, kv_heads, tokens // g, g, width))
-        parts.append(jnp.einsum("bhrgj,bhgj->bhrj", sums, scale[..., i * width : (i + 1) * width]))
-    return acc + jnp.concatenate(parts, axis=-1)
+    sums = jnp.einsum("bhrgt,bhgtd->bhrgd", pg, codes.reshape(batch, kv_heads, tokens // g, g, head_dim))
+    return acc + jnp.einsum("bhrgd,bhgd->bhrd", sums, scale)
 
 
 def ring_tokens(length: jax.Array, residual: int) -> jax.Array:

@@ -1,7 +1,13 @@
-"""Benchmark building blocks: synthetic caches at a given fill, and warmed-up, jit-compiled decode-step timing."""
+"""Benchmarks against the full-precision cache: decode-step time, cache and temporary bytes with the largest batch
+that fits a budget, and end-to-end generation throughput; synthetic caches at a given fill and model presets."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import os
+import platform
 import statistics
 import time
 
@@ -9,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax.cache import FullCache, KIVICache, make_cache
-from models.llama import Params, forward
+from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache
+from kivi_jax.config import parse_cache_spec, spec_name
+from models.config import LlamaConfig
+from models.llama import Params, forward, init_params
 
 
 def random_cache(spec, cfg, batch: int, max_tokens: int, length: int, dtype=jnp.float32, impl: str = "auto",
@@ -65,3 +73,290 @@ def time_decode(params: Params, cache, repeats: int = 10, warmup: int = 2) -> di
         "compile_s": compile_s,
         "tokens_per_s": batch / (statistics.median(times) / 1e3),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models to measure: the real SmolLM2 (or any path) and synthetic weights with the real shapes of larger models
+
+PRESETS = {
+    "llama2-7b": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=1,
+        eos_token_ids=(2,), pad_token_id=0,
+    ),
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_type="llama3", rope_factor=8.0,
+        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+}
+
+
+def with_layers(cfg: LlamaConfig, layers: int | None) -> LlamaConfig:
+    """The config with its first `layers` layers (None: all)."""
+    if layers is None or layers == cfg.num_layers:
+        return cfg
+    if not 1 <= layers <= cfg.num_layers:
+        raise ValueError(f"--layers {layers} must be between 1 and the model's {cfg.num_layers} layers")
+    return dataclasses.replace(cfg, num_layers=layers)
+
+
+def truncate_layers(params: Params, layers: int | None) -> Params:
+    """Params keeping the first `layers` layers of the stacks (None: all)."""
+    cfg = with_layers(params.config, layers)
+    if cfg is params.config:
+        return params
+    stacks = jax.tree_util.tree_map(lambda a: a[:layers], params.layers)
+    return params.replace(layers=stacks, config=cfg)
+
+
+def model_config(name: str, layers: int | None = None) -> LlamaConfig:
+    """The config of a preset, a known model or a path, without materializing weights where it can."""
+    if name in PRESETS:
+        return with_layers(PRESETS[name], layers)
+    return with_layers(load_model(name, None, None).config, layers)
+
+
+def load_model(name: str, dtype=None, layers: int | None = None, seed: int = 0) -> Params:
+    """Params to benchmark: synthetic weights for a preset (`llama2-7b`, `llama3-8b`), else `kivi_jax.load(name)`."""
+    if name in PRESETS:
+        cfg = with_layers(PRESETS[name], layers)
+        return init_params(cfg, jax.random.PRNGKey(seed), dtype or jnp.float32)
+    import kivi_jax
+
+    return truncate_layers(kivi_jax.load(name, dtype, progress=False).params, layers)
+
+
+def abstract_params(cfg: LlamaConfig, dtype) -> Params:
+    """Params as ShapeDtypeStructs (nothing allocated), for lowering and byte counts."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a pytree's array leaves (concrete or ShapeDtypeStruct)."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def device_name() -> str:
+    """The device the benchmarks run on, in words (CPU model and cores on a CPU)."""
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        return f"{dev.platform}: {dev.device_kind}"
+    model = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"cpu: {model}, {os.cpu_count()} cores, jaxlib {jax.__version__}"
+
+
+def spec_label(spec) -> str:
+    """How results name a cache spec: as given ('kivi2', 'k4v2-g64-r128'), or a KIVIConfig's canonical spec."""
+    return spec.strip().lower() if isinstance(spec, str) else spec_name(spec)
+
+
+def cache_tokens(context: int, extra: int, specs) -> int:
+    """Capacity for a cache holding `context + extra` tokens: a multiple of 256 and of every spec's R."""
+    multiple = 256
+    for spec in specs:
+        spec = parse_cache_spec(spec)
+        if spec != "full":
+            multiple = math.lcm(multiple, spec.residual_length)
+    return -(-(context + extra) // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode speed
+
+
+def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", repeats: int = 10,
+                 warmup: int = 2, log=None) -> list[dict]:
+    """Decode-step time for every (context, batch, cache spec), each spec's ratio against `full` of the same run."""
+    cfg, dtype = params.config, params.dtype
+    rows = []
+    for context in contexts:
+        max_tokens = cache_tokens(context, warmup + repeats + 2, specs)
+        for batch in batches:
+            group = []
+            for spec in specs:
+                cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, impl)
+                t = time_decode(params, cache, repeats, warmup)
+                del cache
+                row = {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(spec)), "context": context,
+                       "batch": batch, **t}
+                group.append(row)
+                if log:
+                    log(f"{row['cache']:>16s} context {context:6d} batch {batch:3d}: {t['step_ms_median']:9.2f} ms "
+                        f"(min {t['step_ms_min']:.2f}, max {t['step_ms_max']:.2f}, compile {t['compile_s']:.1f} s)")
+            base = next((r["step_ms_median"] for r in group if r["cache"] == "full"), None)
+            for row in group:
+                row["ratio_vs_full"] = None if base is None else row["step_ms_median"] / base
+            rows.extend(group)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory: bytes from the pytree leaves (eval_shape), the formula, the compiled step's temporaries, the largest batch
+
+
+def formula_bytes(spec, cfg: LlamaConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
+    """DESIGN §2's byte formula for a spec."""
+    spec = parse_cache_spec(spec)
+    if spec == "full":
+        return full_cache_bytes(cfg, batch, max_tokens, compute_bytes)
+    return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes)["total"]
+
+
+def abstract_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype, impl: str = "auto"):
+    """A cache of ShapeDtypeStructs: its shapes and bytes without allocating it."""
+    return jax.eval_shape(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl))
+
+
+def decode_temp_bytes(cfg: LlamaConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto") -> int:
+    """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values."""
+    params = abstract_params(cfg, dtype)
+    cache = abstract_cache(spec, cfg, batch, max_tokens, dtype, impl)
+    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    compiled = decode_step_fn().lower(params, tokens, cache).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def max_batch(budget: int, weights: int, per_seq: float, fixed: float = 0.0) -> int:
+    """The largest batch with weights + fixed + batch * per_seq within the budget (0 when not even one fits)."""
+    free = budget - weights - fixed
+    return max(int(free // per_seq), 0) if per_seq > 0 else 0
+
+
+def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl: str = "auto",
+                 temps: bool = True) -> dict:
+    """Per spec at `context` tokens a sequence: cache bytes from the pytree leaves (batch 1) and from the formula,
+    the ratio against the full cache, the largest batch with weights + batch * cache <= `budget`, and (`temps`) the
+    compiled decode step's temporary bytes at batch 1 and per extra sequence (from batch 9), with the largest batch
+    when those temporaries count too."""
+    compute_bytes = jnp.dtype(dtype).itemsize
+    weights = tree_bytes(abstract_params(cfg, dtype))
+    full = tree_bytes(abstract_cache("full", cfg, 1, context, dtype, impl))
+    results = {}
+    for spec in specs:
+        cache = tree_bytes(abstract_cache(spec, cfg, 1, context, dtype, impl))
+        row = {
+            "spec": spec_name(parse_cache_spec(spec)),
+            "cache_bytes": cache,
+            "formula_bytes": formula_bytes(spec, cfg, 1, context, compute_bytes),
+            "bytes_per_token": cache / context,
+            "ratio_vs_full": cache / full,
+            "max_batch": max_batch(budget, weights, cache),
+        }
+        if temps:
+            t1 = decode_temp_bytes(cfg, spec, 1, context, dtype, impl)
+            per_seq = max(decode_temp_bytes(cfg, spec, 9, context, dtype, impl) - t1, 0) // 8
+            row.update({
+                "decode_temp_bytes": t1,
+                "decode_temp_ratio_vs_full_cache": t1 / full,
+                "decode_temp_per_seq_bytes": per_seq,
+                "max_batch_with_temps": max_batch(budget, weights, cache + per_seq, t1 - per_seq),
+            })
+        results[spec_label(spec)] = row
+    return {"context": context, "weights_bytes": weights, "full_cache_bytes": full, "results": results}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End-to-end generation throughput: prefill + N greedy tokens in one compiled program (no Python per token)
+
+
+@functools.partial(jax.jit, static_argnames=("new_tokens",), donate_argnames=("cache",))
+def generate_greedy(params: Params, tokens: jax.Array, lengths: jax.Array, cache, new_tokens: int):
+    """Prompt `tokens [batch, padded]` with `lengths [batch]` real tokens -> greedy new tokens `[batch, new_tokens]`
+    and the cache; prefill and the decode loop are one compiled program (a `fori_loop` over decode steps)."""
+    logits, cache = forward(params, tokens, cache, num_new=lengths, logits_at=lengths - 1)
+    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [batch]
+    out = jnp.zeros((tokens.shape[0], new_tokens), jnp.int32).at[:, 0].set(first)
+
+    def body(i, carry):
+        out, last, cache = carry
+        logits, cache = forward(params, last[:, None], cache)
+        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return out.at[:, i].set(nxt), nxt, cache
+
+    out, _, cache = jax.lax.fori_loop(1, new_tokens, body, (out, first, cache))
+    return out, cache
+
+
+def synthetic_prompts(cfg: LlamaConfig, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
+    """Random prompt token ids `[batch, prompt_len]` (speed does not depend on the tokens)."""
+    rng = np.random.RandomState(seed)
+    return rng.randint(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
+
+
+def time_generate(params: Params, spec, batch: int, prompt_len: int, new_tokens: int, impl: str = "auto",
+                  repeats: int = 3) -> dict:
+    """Wall time of prefill + `new_tokens` greedy tokens (compiled once, then `repeats` timed runs) and the
+    KIVI paper's throughput: batch * new_tokens / seconds."""
+    cfg, dtype = params.config, params.dtype
+    max_tokens = cache_tokens(prompt_len, new_tokens, [spec])
+    tokens = jnp.asarray(synthetic_prompts(cfg, batch, prompt_len))
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+
+    def run():
+        cache = make_cache(spec, cfg, batch, max_tokens, dtype, impl)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        out, cache = generate_greedy(params, tokens, lengths, cache, new_tokens)
+        out.block_until_ready()
+        return time.perf_counter() - t0
+
+    compile_s = run()
+    times = [run() for _ in range(repeats)]
+    med = statistics.median(times)
+    return {
+        "seconds_median": med,
+        "seconds_min": min(times),
+        "seconds_max": max(times),
+        "compile_s": compile_s,
+        "tokens_per_s": batch * new_tokens / med,
+    }
+
+
+def bench_generate(params: Params, batches, specs, prompt_len: int, new_tokens: int, impl: str = "auto",
+                   repeats: int = 3, log=None) -> list[dict]:
+    """Generation throughput for every (batch, spec), each spec's throughput ratio against `full` of the same run."""
+    rows = []
+    for batch in batches:
+        group = []
+        for spec in specs:
+            t = time_generate(params, spec, batch, prompt_len, new_tokens, impl, repeats)
+            row = {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(spec)), "batch": batch, **t}
+            group.append(row)
+            if log:
+                log(f"{row['cache']:>16s} batch {batch:3d}: {t['seconds_median']:8.3f} s, "
+                    f"{t['tokens_per_s']:9.1f} tokens/s (compile {t['compile_s']:.1f} s)")
+        base = next((r["tokens_per_s"] for r in group if r["cache"] == "full"), None)
+        for row in group:
+            row["ratio_vs_full"] = None if base is None else row["tokens_per_s"] / base
+        rows.extend(group)
+    return rows
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB' -> 25769803776, '80GB' -> 80e9, '1e9' -> 1e9 (decimal GB, binary GiB)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"bad byte size {text!r}: give a number with an optional unit such as 24GiB, 80GB, 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, e.g. '1.50 GiB'."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

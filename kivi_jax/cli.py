@@ -339,6 +339,10 @@ def add_eval_parser(sub) -> None:
 
 def add_bench_parser(sub) -> None:
     """`kivi-jax bench decode | memory | generate`: speed and memory (kivi_jax.bench)."""
+    from kivi_jax.bench_cli import add_bench_commands
+
+    b = sub.add_parser("bench", help="decode speed, cache memory and generation throughput against the full cache")
+    add_bench_commands(b.add_subparsers(dest="bench_command", required=True))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,242 @@
+"""`kivi-jax bench decode | memory | generate`: run a benchmark, print a table (or one JSON object), write a plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+MODEL_HELP = ("'smollm2' (the real model), 'llama2-7b' or 'llama3-8b' (synthetic weights with those models' shapes), "
+              "or a path (HF directory, .gguf, kivi_jax checkpoint)")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1024,4096")
+    return values
+
+
+def spec_list(text: str) -> list[str]:
+    from kivi_jax.config import parse_cache_spec
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    for s in specs:
+        try:
+            parse_cache_spec(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one cache spec, e.g. full,kivi2")
+    return specs
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def _log(line: str) -> None:
+    """Progress lines go to stderr, so stdout holds only the table or the JSON object."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: str) -> None:
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (so large shapes fit)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=dtype_default, help=dtype_help)
+    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
+                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot of the results")
+
+
+def add_bench_commands(sub) -> None:
+    """The `decode`, `memory` and `generate` subcommands of `kivi-jax bench`."""
+    d = sub.add_parser("decode", help="jit-compiled decode-step latency and tokens/s against the full-precision cache")
+    _common(d, None, "compute dtype (default: as stored, float32; the full cache's element type)")
+    d.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384], help="tokens in the cache (default 1024,4096,16384)")
+    d.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
+    d.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
+    d.add_argument("--repeats", type=int, default=10, help="timed steps per configuration (default 10)")
+    d.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one (default 2)")
+    d.set_defaults(func=cmd_decode)
+
+    m = sub.add_parser("memory", help="cache bytes, the formula, decode temporaries and the largest batch in a budget")
+    _common(m, "bfloat16", "compute dtype: the full cache's element type and the weights' (default bfloat16)")
+    m.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    m.add_argument("--budget", default="24GiB", help="memory for the weights and the caches (default 24GiB; GB is 1e9, "
+                                                     "GiB 2^30)")
+    m.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
+    m.add_argument("--no-temps", action="store_true", help="skip compiling the decode step (no temporary bytes)")
+    m.set_defaults(func=cmd_memory)
+
+    g = sub.add_parser("generate", help="end-to-end generation throughput (prefill + N new tokens) across batch sizes")
+    _common(g, None, "compute dtype (default: as stored, float32)")
+    g.add_argument("--batch", type=int_list, default=[1, 4, 16], help="batch sizes (default 1,4,16)")
+    g.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence (default 256)")
+    g.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence (default 64)")
+    g.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
+    g.set_defaults(func=cmd_generate)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _check_positive(**values) -> None:
+    for name, v in values.items():
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {v}")
+
+
+def cmd_decode(args) -> int:
+    from kivi_jax import bench
+
+    _check_positive(repeats=args.repeats, layers=args.layers)
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, not {args.warmup}")
+    params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
+    rows = bench.bench_decode(params, args.contexts, args.batch, args.cache, args.attention_impl, args.repeats,
+                              args.warmup, log=None if args.json else _log)
+    out = {
+        "device": bench.device_name(),
+        "model": args.model,
+        "layers": params.config.num_layers,
+        "dtype": str(params.dtype),
+        "attention_impl": args.attention_impl,
+        "repeats": args.repeats,
+        "results": rows,
+    }
+    if args.plot:
+        from kivi_jax.bench_plots import plot_decode
+
+        out["plot"] = plot_decode(rows, f"{args.model} ({params.config.num_layers} layers, {params.dtype}) decode step",
+                                  args.plot)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"# decode step, {out['device']}, {args.model} ({out['layers']} layers, {out['dtype']})")
+    print(_table(
+        ["cache", "context", "batch", "median ms", "min ms", "max ms", "tokens/s", "ratio vs full"],
+        [[r["cache"], r["context"], r["batch"], f"{r['step_ms_median']:.2f}", f"{r['step_ms_min']:.2f}",
+          f"{r['step_ms_max']:.2f}", f"{r['tokens_per_s']:.1f}", _ratio(r["ratio_vs_full"])] for r in rows],
+    ))
+    if args.plot:
+        print(f"plot: {out['plot']}")
+    return 0
+
+
+PLOT_BUDGETS = ("16GiB", "24GiB", "40GB", "80GB")
+PLOT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def cmd_memory(args) -> int:
+    from kivi_jax import bench
+
+    import jax.numpy as jnp
+
+    _check_positive(context=args.context, layers=args.layers)
+    budget = bench.parse_bytes(args.budget)
+    dtype = _dtype(args.dtype)
+    cfg = bench.model_config(args.model, args.layers)
+    table = bench.bench_memory(cfg, args.context, args.cache, dtype, budget, args.attention_impl, not args.no_temps)
+    results = table["results"]
+    out = {
+        "model": args.model,
+        "layers": cfg.num_layers,
+        "dtype": jnp.dtype(dtype).name,
+        "context": args.context,
+        "budget_bytes": budget,
+        "weights_bytes": table["weights_bytes"],
+        "results": results,
+    }
+    if args.plot:
+        from kivi_jax.bench_plots import plot_memory
+
+        curves = {
+            name: [(c, bench.tree_bytes(bench.abstract_cache(spec, cfg, 1, bench.cache_tokens(c, 0, [spec]), dtype)))
+                   for c in PLOT_CONTEXTS]
+            for name, spec in zip(results, args.cache)
+        }
+        budgets = {}
+        for label in dict.fromkeys(PLOT_BUDGETS + (args.budget,)):
+            b = bench.parse_bytes(label)
+            budgets[label] = {name: bench.max_batch(b, table["weights_bytes"], row["cache_bytes"])
+                              for name, row in results.items()}
+        title = f"{args.model} ({cfg.num_layers} layers, {out['dtype']}), max batch at {args.context} tokens"
+        out["plot"] = plot_memory(curves, budgets, title, args.plot)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    fb = bench.format_bytes
+    print(f"# cache memory, {args.model} ({cfg.num_layers} layers, {out['dtype']}), {args.context} tokens a sequence, "
+          f"budget {fb(budget)}, weights {fb(out['weights_bytes'])}")
+    header = ["cache", "bytes/seq", "formula", "bytes/token", "ratio vs full", "max batch"]
+    if not args.no_temps:
+        header += ["decode temp (batch 1)", "temp / full cache", "temp per extra seq", "max batch with temps"]
+    rows = []
+    for name, r in results.items():
+        row = [name, fb(r["cache_bytes"]), "=" if r["formula_bytes"] == r["cache_bytes"] else fb(r["formula_bytes"]),
+               f"{r['bytes_per_token']:.0f}", f"{r['ratio_vs_full']:.3f}", r["max_batch"]]
+        if not args.no_temps:
+            row += [fb(r["decode_temp_bytes"]), f"{r['decode_temp_ratio_vs_full_cache']:.3f}",
+                    fb(r["decode_temp_per_seq_bytes"]), r["max_batch_with_temps"]]
+        rows.append(row)
+    print(_table(header, rows))
+    print("max batch: weights + batch x cache within the budget; with temps: plus the compiled decode step's "
+          "temporaries on this backend")
+    if args.plot:
+        print(f"plot: {out['plot']}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from kivi_jax import bench
+
+    _check_positive(repeats=args.repeats, layers=args.layers, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
+    rows = bench.bench_generate(params, args.batch, args.cache, args.prompt_len, args.new_tokens, args.attention_impl,
+                                args.repeats, log=None if args.json else _log)
+    out = {
+        "device": bench.device_name(),
+        "model": args.model,
+        "layers": params.config.num_layers,
+        "dtype": str(params.dtype),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "results": rows,
+    }
+    if args.plot:
+        from kivi_jax.bench_plots import plot_generate
+
+        title = f"{args.model}: prefill {args.prompt_len} + {args.new_tokens} new tokens"
+        out["plot"] = plot_generate(rows, title, args.plot)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"# generation throughput, {out['device']}, {args.model} ({out['layers']} layers, {out['dtype']}), "
+          f"prompt {args.prompt_len} + {args.new_tokens} new tokens")
+    print(_table(
+        ["cache", "batch", "median s", "min s", "new tokens/s", "ratio vs full"],
+        [[r["cache"], r["batch"], f"{r['seconds_median']:.3f}", f"{r['seconds_min']:.3f}", f"{r['tokens_per_s']:.1f}",
+          _ratio(r["ratio_vs_full"])] for r in rows],
+    ))
+    if args.plot:
+        print(f"plot: {out['plot']}")
+    return 0

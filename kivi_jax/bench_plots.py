@@ -1,0 +1,101 @@
+"""PNG plots of benchmark results (matplotlib, imported only when a plot is asked for)."""
+
+from __future__ import annotations
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'kivi-jax[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return str(path)
+
+
+def plot_decode(rows: list[dict], title: str, path) -> str:
+    """Decode-step time (median, min-max bars) against context, one line per cache spec and batch; the ratio
+    against the full-precision cache beside it."""
+    plt = _pyplot()
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for cache in dict.fromkeys(r["cache"] for r in rows):
+        for batch in dict.fromkeys(r["batch"] for r in rows):
+            pts = sorted((r for r in rows if r["cache"] == cache and r["batch"] == batch), key=lambda r: r["context"])
+            if not pts:
+                continue
+            x = [r["context"] for r in pts]
+            y = [r["step_ms_median"] for r in pts]
+            err = [[r["step_ms_median"] - r["step_ms_min"] for r in pts], [r["step_ms_max"] - r["step_ms_median"] for r in pts]]
+            line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{cache}, batch {batch}")
+            if pts[0].get("ratio_vs_full") is not None and cache != "full":
+                ax_r.plot(x, [r["ratio_vs_full"] for r in pts], marker="o", color=line[0].get_color(),
+                          label=f"{cache}, batch {batch}")
+    for a in (ax, ax_r):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context (tokens in the cache)")
+        a.grid(alpha=0.3)
+    ax.set_ylabel("decode step (ms, median; bars min-max)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax_r.axhline(1.0, color="gray", lw=1)
+    ax_r.set_ylabel("step time / full-precision step time")
+    ax_r.set_title("ratio vs full (same run)")
+    if ax_r.lines[1:]:
+        ax_r.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_memory(curves: dict, budgets: dict, title: str, path) -> str:
+    """Cache bytes per sequence against context (`curves`: spec -> [(context, bytes)]) and the largest batch per
+    memory budget (`budgets`: budget label -> {spec: max batch})."""
+    plt = _pyplot()
+    fig, (ax, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for spec, pts in curves.items():
+        ax.plot([c for c, _ in pts], [b / 2**30 for _, b in pts], marker="o", label=spec)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("cache bytes per sequence (GiB)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    labels = list(budgets)
+    specs = list(dict.fromkeys(s for b in budgets.values() for s in b))
+    width = 0.8 / max(len(specs), 1)
+    for i, spec in enumerate(specs):
+        xs = [j + (i - (len(specs) - 1) / 2) * width for j in range(len(labels))]
+        vals = [budgets[b].get(spec, 0) for b in labels]
+        bars = ax_b.bar(xs, vals, width, label=spec)
+        ax_b.bar_label(bars, fontsize=7)
+    ax_b.set_xticks(range(len(labels)), labels)
+    ax_b.set_xlabel("memory budget (weights + caches)")
+    ax_b.set_ylabel("largest batch")
+    ax_b.set_title("max batch per budget")
+    ax_b.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_generate(rows: list[dict], title: str, path) -> str:
+    """Generation throughput (new tokens/s) against batch size, one line per cache spec."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for cache in dict.fromkeys(r["cache"] for r in rows):
+        pts = sorted((r for r in rows if r["cache"] == cache), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o", label=cache)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("new tokens / s (prefill included)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,23 @@
+"""The XLA path's word-wise (SWAR) unpacking equals the quantizer's own unpacking, in channel order."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kivi_jax import attention, quant
+from kivi_jax.cache import QuantStore
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("head_dim", [16, 20, 24, 64, 128])  # rows of D/p bytes: multiples of 4, 2 or 1
+def test_unpack_codes_equals_quant_unpack(bits, head_dim):
+    if head_dim % (8 // bits):
+        pytest.skip("not packable")
+    rng = np.random.RandomState(bits * head_dim)
+    codes = jnp.asarray(rng.randint(0, 2**bits, (2, 3, 40, head_dim)).astype(np.uint8))
+    packed = quant.pack(codes, bits)
+    store = QuantStore(codes=packed, scale=jnp.zeros(()), mn=jnp.zeros(()), bits=bits, group_size=8, axis="token")
+    got = attention.unpack_codes(store)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(quant.unpack(packed, bits)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(codes).astype(np.float32))
