@@ -240,12 +240,53 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False
 
     return _assemble(cfg, tensors(), _GGUF_LAYER_NAMES, _GGUF_GLOBAL_NAMES, "blk.", dtype, str(path))
 
+CONTROL_TOKEN = 3  # GGUF token type of special tokens such as <|im_end|>
+
+
 def gguf_tokenizer(path: str | os.PathLike):
-    """The tokenizer embedded in a GGUF file, via transformers' GGUF reader."""
-    from transformers import AutoTokenizer
+    """The byte-level BPE tokenizer embedded in a GGUF file (`tokenizer.ggml.model == "gpt2"`), built with the
+    `tokenizers` library alone (transformers' own GGUF reader needs torch): vocabulary and merges from the file,
+    digits split one by one before the GPT-2 byte-level split (llama.cpp's `smollm` pre-tokenizer, as SmolLM2's own
+    tokenizer does), control tokens special, the file's chat template and special token ids."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+    meta = lambda key, default=None: _gguf_field(reader, f"tokenizer.{key}", default)  # noqa: E731
+    kind = meta("ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(
+            f"{path}: GGUF tokenizer type {kind!r} is not supported (kivi_jax builds byte-level BPE, 'gpt2'); "
+            "convert the model from an HF directory that has tokenizer.json instead"
+        )
+    tokens = list(meta("ggml.tokens"))
+    types = list(meta("ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in meta("ggml.merges", [])]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL_TOKEN])
+
+    def token(key):
+        i = meta(f"ggml.{key}_token_id")
+        return None if i is None else tokens[int(i)]
+
+    bos = token("bos")
+    if meta("ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tokens.index(bos))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=token("eos"), unk_token=token("unknown"),
+        pad_token=token("padding"), chat_template=meta("chat_template"),
+    )
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Our own format: orbax params + config json + tokenizer files

@@ -103,8 +103,11 @@ def fetch_gguf(name: str = "smollm2", quiet: bool = True) -> Path:
     return target
 
 
+CONVERSION = 2  # bumped when conversion output changes (2: the tokenizer is built from the GGUF without torch)
+
+
 def checkpoint_dir(name: str) -> Path:
-    return model_dir(name) / "checkpoint"
+    return model_dir(name) / f"checkpoint-v{CONVERSION}"
 
 
 def ensure_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
@@ -126,4 +129,7 @@ def ensure_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
     except checkpoint.CheckpointError:
         if not checkpoint.is_kivi_checkpoint(out):  # another process finished first, fine; anything else is not
             raise
+    for stale in model_dir(name).glob("checkpoint*"):  # conversions by older versions of this code
+        if stale.is_dir() and stale != out:
+            shutil.rmtree(stale, ignore_errors=True)
     return out

@@ -61,3 +61,30 @@ def test_cli_generate_json(smollm2):
     assert "Paris" in result["text"]
     assert {"text", "token_ids", "prompt_tokens", "new_tokens", "seconds"} <= set(result)
     assert result["new_tokens"] == len(result["token_ids"]) and result["prompt_tokens"] > 10
+
+
+def test_gguf_tokenizer_needs_no_torch_and_follows_llama_cpp(smollm2):
+    """Our tokenizer is built from the GGUF with `tokenizers` alone. It splits digits one by one before the GPT-2
+    byte-level split, as llama.cpp's `smollm` pre-tokenizer does; transformers' GGUF tokenizer does not split digits
+    first, so the two differ only where whitespace runs into a digit."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from kivi_jax import checkpoint, evaluate
+
+    gguf = hub.fetch_gguf("smollm2")
+    ours = checkpoint.gguf_tokenizer(gguf)
+    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    text = evaluate.default_text()
+    no_digit_runs = re.sub(r"\s+(?=\d)", "", text)  # where whitespace runs into a digit, the pre-tokenizers differ
+    assert ours(no_digit_runs)["input_ids"] == theirs(no_digit_runs)["input_ids"]
+    ids = ours(text)["input_ids"]
+    assert ours.decode(ids) == text
+    assert [ours.convert_ids_to_tokens(i) for i in ours("x = 10\n   42")["input_ids"]] == \
+        ["x", "Ġ=", "Ġ", "1", "0", "ĊĠĠĠ", "4", "2"]
+    chat = [{"role": "user", "content": QUESTION}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token, ours.bos_token, ours.pad_token) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
+    assert smollm2.tokenizer(text)["input_ids"] == ids  # the cached tokenizer is this one
