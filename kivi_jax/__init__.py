@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# transformers serves only tokenization here; without torch (the normal install) it would advise installing torch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from kivi_jax.cache import CacheCapacityError, FullCache, KIVICache, make_cache
 from kivi_jax.checkpoint import CheckpointError, convert, restore, save
