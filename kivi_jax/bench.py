@@ -168,6 +168,12 @@ def cache_tokens(context: int, extra: int, specs) -> int:
     return -(-(context + extra) // multiple) * multiple
 
 
+def with_ratio_vs_full(group: list[dict], key: str) -> list[dict]:
+    """The rows of one measured group with `ratio_vs_full`: each row's `key` over the `full` row's (None without one)."""
+    base = next((r[key] for r in group if r["cache"] == "full"), None)
+    return [{**row, "ratio_vs_full": None if base is None else row[key] / base} for row in group]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Decode speed
 
@@ -191,10 +197,7 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
                 if log:
                     log(f"{row['cache']:>16s} context {context:6d} batch {batch:3d}: {t['step_ms_median']:9.2f} ms "
                         f"(min {t['step_ms_min']:.2f}, max {t['step_ms_max']:.2f}, compile {t['compile_s']:.1f} s)")
-            base = next((r["step_ms_median"] for r in group if r["cache"] == "full"), None)
-            for row in group:
-                row["ratio_vs_full"] = None if base is None else row["step_ms_median"] / base
-            rows.extend(group)
+            rows.extend(with_ratio_vs_full(group, "step_ms_median"))
     return rows
 
 
@@ -333,10 +336,7 @@ def bench_generate(params: Params, batches, specs, prompt_len: int, new_tokens: 
             if log:
                 log(f"{row['cache']:>16s} batch {batch:3d}: {t['seconds_median']:8.3f} s, "
                     f"{t['tokens_per_s']:9.1f} tokens/s (compile {t['compile_s']:.1f} s)")
-        base = next((r["tokens_per_s"] for r in group if r["cache"] == "full"), None)
-        for row in group:
-            row["ratio_vs_full"] = None if base is None else row["tokens_per_s"] / base
-        rows.extend(group)
+        rows.extend(with_ratio_vs_full(group, "tokens_per_s"))
     return rows
 
 

@@ -15,8 +15,9 @@ Run (one torch thread: faster than two on a small CPU, and comparable):
 
     OMP_NUM_THREADS=1 /tmp/venv-quanto/bin/python scripts/compare_hf_quantized_cache.py --json > quanto.json
 
-The GGUF is the one `kivi-jax` fetched and cached (`$KIVI_JAX_CACHE` or ~/.cache/kivi_jax, under
-smollm2/gguf/); run any `kivi-jax` command once first, or pass --gguf PATH.
+The GGUF and the tokenizer are the ones `kivi-jax` fetched, built and cached (`$KIVI_JAX_CACHE` or ~/.cache/kivi_jax,
+under smollm2/); run any `kivi-jax` command once first, or pass --gguf PATH and --tokenizer DIR. The tokenizer is
+kivi_jax's (built from the GGUF with llama.cpp's pre-tokenizer), so both sides score the very same token windows.
 
 quanto's axes (transformers 5.x `QuantoQuantizedLayer`, optimum-quanto 0.2.x grouping): on a `[batch, heads, tokens,
 head_dim]` tensor, axis 0 groups `q_group_size` consecutive channels of one token (per-token, transformers' default
@@ -50,10 +51,18 @@ CONFIGS = {
 }
 
 
-def default_gguf() -> Path:
+def cache_root() -> Path:
     root = os.environ.get("KIVI_JAX_CACHE")
-    root = Path(root).expanduser() if root else Path.home() / ".cache" / "kivi_jax"
-    return root / "smollm2" / "gguf" / GGUF_NAME
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "kivi_jax"
+
+
+def default_gguf() -> Path:
+    return cache_root() / "smollm2" / "gguf" / GGUF_NAME
+
+
+def default_tokenizer() -> Path:
+    """The tokenizer kivi_jax built from the same GGUF (llama.cpp's pre-tokenizer), so the windows are identical."""
+    return cache_root() / "smollm2" / "checkpoint-v2" / "tokenizer"
 
 
 def default_text() -> str:
@@ -114,6 +123,8 @@ def teacher_forced(model, windows, prefill: int, kwargs, ref=None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, default=default_gguf(), help=f"the GGUF file (default {default_gguf()})")
+    p.add_argument("--tokenizer", type=Path, default=default_tokenizer(),
+                   help=f"tokenizer directory (default {default_tokenizer()}, the one kivi_jax uses)")
     p.add_argument("--text", default=None, help="a UTF-8 text file (default: the prose of pydoc_data.topics)")
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--decode", type=int, default=256)
@@ -140,7 +151,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.gguf} does not exist: run a kivi-jax command once (it fetches the model) or pass --gguf")
 
     gguf_dir, gguf_file = str(args.gguf.parent), args.gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    if not args.tokenizer.is_dir():
+        raise SystemExit(f"{args.tokenizer} does not exist: run a kivi-jax command once, or pass --tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
     if args.text is None:
         text, text_name = default_text(), f"pydoc_data.topics (Python {platform.python_version()})"
