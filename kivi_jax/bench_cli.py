@@ -124,7 +124,7 @@ def cmd_decode(args) -> int:
         "results": rows,
     }
     if args.plot:
-        from kivi_jax.bench_plots import plot_decode
+        from kivi_jax.plots import plot_decode
 
         out["plot"] = plot_decode(rows, f"{args.model} ({params.config.num_layers} layers, {params.dtype}) decode step",
                                   args.plot)
@@ -167,7 +167,7 @@ def cmd_memory(args) -> int:
         "results": results,
     }
     if args.plot:
-        from kivi_jax.bench_plots import plot_memory
+        from kivi_jax.plots import plot_memory
 
         curves = {
             name: [(c, bench.tree_bytes(bench.abstract_cache(spec, cfg, 1, bench.cache_tokens(c, 0, [spec]), dtype)))
@@ -223,7 +223,7 @@ def cmd_generate(args) -> int:
         "results": rows,
     }
     if args.plot:
-        from kivi_jax.bench_plots import plot_generate
+        from kivi_jax.plots import plot_generate
 
         title = f"{args.model}: prefill {args.prompt_len} + {args.new_tokens} new tokens"
         out["plot"] = plot_generate(rows, title, args.plot)

@@ -193,30 +193,6 @@ def cmd_eval_ppl(args) -> int:
     return 0
 
 
-def _plot_ablation(rows: list[dict], path: str, title: str) -> None:
-    """A bar chart of ΔNLL per configuration, grouped by study, with the windows' range as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r["spec"] != "full"]
-    studies = list(dict.fromkeys(r["study"] for r in rows))
-    colors = dict(zip(studies, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
-    y = list(range(len(rows)))[::-1]
-    mean = [r["delta_nll"] for r in rows]
-    err = [[r["delta_nll"] - r["delta_min"] for r in rows], [r["delta_max"] - r["delta_nll"] for r in rows]]
-    ax.barh(y, mean, xerr=err, color=[colors[r["study"]] for r in rows], capsize=2)
-    ax.set_yticks(y, [f"{r['study']}: {r['spec']}" for r in rows], fontsize=8)
-    ax.set_xlabel("ΔNLL vs full precision (nats/token); bars: mean, whiskers: windows' range")
-    ax.set_title(title, fontsize=9)
-    ax.axvline(0, color="black", linewidth=0.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def cmd_eval_ablate(args) -> int:
     from kivi_jax import evaluate
 
@@ -230,7 +206,9 @@ def cmd_eval_ablate(args) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(f"KIVI ablation ({what}): ΔNLL against full precision through the cache.\n\n{table}")
     if args.plot:
-        _plot_ablation(rows, args.plot, f"KIVI ablation: {what}")
+        from kivi_jax.plots import plot_ablation
+
+        plot_ablation(rows, f"KIVI ablation: {what}", args.plot)
     if args.json:
         print(json.dumps({**header, "results": results, "rows": rows}))
     else:

@@ -1,4 +1,4 @@
-"""PNG plots of benchmark results (matplotlib, imported only when a plot is asked for)."""
+"""PNG plots of benchmark and ablation results (matplotlib, imported only when a plot is asked for)."""
 
 from __future__ import annotations
 
@@ -98,4 +98,22 @@ def plot_generate(rows: list[dict], title: str, path) -> str:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_ablation(rows: list[dict], title: str, path) -> str:
+    """ΔNLL per configuration as bars grouped by study, the windows' range as whiskers (`evaluate.ablation_rows`)."""
+    plt = _pyplot()
+    rows = [r for r in rows if r["spec"] != "full"]
+    studies = list(dict.fromkeys(r["study"] for r in rows))
+    colors = dict(zip(studies, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    y = list(range(len(rows)))[::-1]
+    mean = [r["delta_nll"] for r in rows]
+    err = [[r["delta_nll"] - r["delta_min"] for r in rows], [r["delta_max"] - r["delta_nll"] for r in rows]]
+    ax.barh(y, mean, xerr=err, color=[colors[r["study"]] for r in rows], capsize=2)
+    ax.set_yticks(y, [f"{r['study']}: {r['spec']}" for r in rows], fontsize=8)
+    ax.set_xlabel("ΔNLL vs full precision (nats/token); bars: mean, whiskers: windows' range")
+    ax.set_title(title, fontsize=9)
+    ax.axvline(0, color="black", linewidth=0.5)
     return _save(fig, path)
