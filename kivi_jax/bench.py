@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache
+from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from models.config import LlamaConfig
 from models.llama import Params, forward, init_params
@@ -131,11 +131,6 @@ def load_model(name: str, dtype=None, layers: int | None = None, seed: int = 0) 
 def abstract_params(cfg: LlamaConfig, dtype) -> Params:
     """Params as ShapeDtypeStructs (nothing allocated), for lowering and byte counts."""
     return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of a pytree's array leaves (concrete or ShapeDtypeStruct)."""
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
 def device_name() -> str:

@@ -8,6 +8,8 @@ after it let XLA update the donated buffers in place instead of copying the whol
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -35,6 +37,11 @@ def check_prefill_fits(n_tok: int, max_tokens: int) -> None:
         raise CacheCapacityError(
             f"a prefill of {n_tok} tokens does not fit a cache of {max_tokens} tokens; allocate a larger cache"
         )
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a pytree's array leaves, concrete or abstract (`jax.eval_shape`): what a cache reports as its size."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
 def zero_padding(x: jax.Array, num_new: jax.Array) -> jax.Array:
@@ -86,7 +93,7 @@ class FullCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+        return tree_bytes(self)
 
     def prefill_attend(self, layer, q, k, v, num_new, window):
         check_prefill_fits(k.shape[1], self.max_tokens)
@@ -273,7 +280,7 @@ class KIVICache:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+        return tree_bytes(self)
 
     def prefill_attend(self, layer, q, k, v, num_new, window):
         """Full-precision attention over the prompt; the update holds the prompt quantized as if appended one by one."""
