@@ -153,6 +153,11 @@ def spec_label(spec) -> str:
     return spec.strip().lower() if isinstance(spec, str) else spec_name(spec)
 
 
+def spec_fields(spec) -> dict:
+    """The names a result row gives its cache: `cache` as given, `spec` canonical."""
+    return {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(spec))}
+
+
 def cache_tokens(context: int, extra: int, specs) -> int:
     """Capacity for a cache holding `context + extra` tokens: a multiple of 256 and of every spec's R."""
     multiple = 256
@@ -186,8 +191,7 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
                 cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, impl)
                 t = time_decode(params, cache, repeats, warmup)
                 del cache
-                row = {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(spec)), "context": context,
-                       "batch": batch, **t}
+                row = {**spec_fields(spec), "context": context, "batch": batch, **t}
                 group.append(row)
                 if log:
                     log(f"{row['cache']:>16s} context {context:6d} batch {batch:3d}: {t['step_ms_median']:9.2f} ms "
@@ -326,7 +330,7 @@ def bench_generate(params: Params, batches, specs, prompt_len: int, new_tokens: 
         group = []
         for spec in specs:
             t = time_generate(params, spec, batch, prompt_len, new_tokens, impl, repeats)
-            row = {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(spec)), "batch": batch, **t}
+            row = {**spec_fields(spec), "batch": batch, **t}
             group.append(row)
             if log:
                 log(f"{row['cache']:>16s} batch {batch:3d}: {t['seconds_median']:8.3f} s, "

@@ -105,6 +105,14 @@ def _check_positive(**values) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {v}")
 
 
+def _header(args, params) -> dict:
+    """What every timing result says about where and on what it ran."""
+    from kivi_jax import bench
+
+    return {"device": bench.device_name(), "model": args.model, "layers": params.config.num_layers,
+            "dtype": str(params.dtype)}
+
+
 def cmd_decode(args) -> int:
     from kivi_jax import bench
 
@@ -115,10 +123,7 @@ def cmd_decode(args) -> int:
     rows = bench.bench_decode(params, args.contexts, args.batch, args.cache, args.attention_impl, args.repeats,
                               args.warmup, log=None if args.json else _log)
     out = {
-        "device": bench.device_name(),
-        "model": args.model,
-        "layers": params.config.num_layers,
-        "dtype": str(params.dtype),
+        **_header(args, params),
         "attention_impl": args.attention_impl,
         "repeats": args.repeats,
         "results": rows,
@@ -214,10 +219,7 @@ def cmd_generate(args) -> int:
     rows = bench.bench_generate(params, args.batch, args.cache, args.prompt_len, args.new_tokens, args.attention_impl,
                                 args.repeats, log=None if args.json else _log)
     out = {
-        "device": bench.device_name(),
-        "model": args.model,
-        "layers": params.config.num_layers,
-        "dtype": str(params.dtype),
+        **_header(args, params),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "results": rows,
