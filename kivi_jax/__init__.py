@@ -5,6 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The repository keeps `models/` and `pallas_kernels/` beside `kivi_jax/`; the wheel installs them as the subpackages
+# `kivi_jax.models` and `kivi_jax.pallas_kernels` (pyproject's package-dir table), so no generic top-level name is
+# claimed. Run from a checkout, the subpackages are found beside this folder.
+_here = Path(__file__).resolve().parent
+if not (_here / "models").is_dir() and (_here.parent / "models" / "llama.py").is_file():
+    __path__.append(str(_here.parent))  # noqa: F821 (the package's own search path)
+
 # transformers serves only tokenization here; without torch (the normal install) it would advise installing torch.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -13,8 +20,8 @@ from kivi_jax.checkpoint import CheckpointError, convert, restore, save
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.generate import Generation, Model, Sampling, generate, stream
 from kivi_jax.hub import MODELS, ModelNotAvailableError
-from models.config import LlamaConfig, UnsupportedModelError
-from models.llama import Params, forward
+from kivi_jax.models.config import LlamaConfig, UnsupportedModelError
+from kivi_jax.models.llama import Params, forward
 
 __version__ = "0.1.0"
 

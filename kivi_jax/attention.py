@@ -257,7 +257,7 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
 def decode_kivi_xla(
     q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS
 ) -> jax.Array:
-    """Decode attention over one layer of a KIVI cache (DESIGN §3), blockwise with an online softmax.
+    """Decode attention over one layer of a KIVI cache (docs/design.md §3), blockwise with an online softmax.
 
     Three segments: tokens whose key and value are both quantized (walked in blocks, scales folded into q and p);
     the newest up-to-R tokens (ring, or the last flushed key block); the new token itself (full precision).
@@ -315,7 +315,7 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
     shapes it cannot take (`full_decode.unsupported`) run the XLA path.
     """
     if use_pallas(impl):
-        from pallas_kernels import full_decode
+        from kivi_jax.pallas_kernels import full_decode
 
         reason = full_decode.unsupported(q.shape[-1], k_cache.shape[-2])
         if reason is None:
@@ -335,7 +335,7 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
     if use_pallas(impl):
-        from pallas_kernels import kivi_decode
+        from kivi_jax.pallas_kernels import kivi_decode
 
         reason = kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
                                          k_ring.shape[-2], k_store.axis, v_store.axis)

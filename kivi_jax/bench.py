@@ -17,8 +17,8 @@ import numpy as np
 
 from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
-from models.config import LlamaConfig
-from models.llama import Params, forward, init_params
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import Params, forward, init_params
 
 
 def random_cache(spec, cfg, batch: int, max_tokens: int, length: int, dtype=jnp.float32, impl: str = "auto",
@@ -205,7 +205,7 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
 
 
 def formula_bytes(spec, cfg: LlamaConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
-    """DESIGN §2's byte formula for a spec."""
+    """docs/design.md §2's byte formula for a spec."""
     spec = parse_cache_spec(spec)
     if spec == "full":
         return full_cache_bytes(cfg, batch, max_tokens, compute_bytes)

@@ -16,8 +16,8 @@ from flax import struct
 
 from kivi_jax import attention, quant
 from kivi_jax.config import KIVIConfig, parse_cache_spec
-from models.attention import causal_attention
-from models.config import LlamaConfig
+from kivi_jax.models.attention import causal_attention
+from kivi_jax.models.config import LlamaConfig
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
@@ -235,7 +235,7 @@ def _zero_beyond(q: dict, store: QuantStore, end: jax.Array) -> dict:
 
 @struct.dataclass
 class KIVICache:
-    """The KIVI cache of DESIGN §2: quantized keys and values, a full-precision residual ring, one length counter.
+    """The KIVI cache of docs/design.md §2: quantized keys and values, a full-precision residual ring, one length counter.
 
     Keys `[0, k.quantized_end)` and values `[0, v.quantized_end)` are read from the quantized stores; ring slot `t % R`
     holds token t's key and value for the newest R tokens.
@@ -375,7 +375,7 @@ class KIVICache:
 def kivi_cache_bytes(
     cfg: LlamaConfig, kivi: KIVIConfig, batch: int, max_tokens: int, compute_bytes: int
 ) -> dict[str, int]:
-    """DESIGN §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, bookkeeping)."""
+    """docs/design.md §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, bookkeeping)."""
     lbh = cfg.num_layers * batch * cfg.num_kv_heads
     d, r = cfg.head_dim, kivi.residual_length
     scale_bytes = jnp.dtype(quant.SCALE_DTYPES[kivi.scale_dtype]).itemsize

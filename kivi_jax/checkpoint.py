@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig, UnsupportedModelError
-from models.llama import Params, param_shapes, params_from_dict, params_to_dict
+from kivi_jax.models.config import LlamaConfig, UnsupportedModelError
+from kivi_jax.models.llama import Params, param_shapes, params_from_dict, params_to_dict
 
 FORMAT_FILE = "kivi_jax.json"
 FORMAT_VERSION = 1

@@ -270,7 +270,7 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
 def add_eval_parser(sub) -> None:
     """`kivi-jax eval ppl | ablate | errors`: quality through the cache (kivi_jax.evaluate)."""
     e = sub.add_parser("eval", help="quality through the cache: perplexity, the KIVI ablation, error diagnostics",
-                       description="Quality of a cache configuration, measured through the cache (DESIGN §6).")
+                       description="Quality of a cache configuration, measured through the cache (docs/design.md §6).")
     esub = e.add_subparsers(dest="eval_command", required=True)
 
     p = esub.add_parser(

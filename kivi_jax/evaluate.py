@@ -1,7 +1,7 @@
 """Quality through the cache: teacher-forced next-token loss, KL and top-1 agreement against full precision; the axis
 ablation; the error of quantized keys and values where attention consumes them.
 
-Protocol (DESIGN §6): windows of P + N + 1 tokens; prefill P tokens, then feed N tokens one at a time through the
+Protocol (docs/design.md §6): windows of P + N + 1 tokens; prefill P tokens, then feed N tokens one at a time through the
 cache, scoring each decode step's prediction of the next token (N scored tokens a window). All windows run as one
 batch; `full` runs first and its log-probabilities are the reference for KL and top-1 agreement.
 """
@@ -20,8 +20,8 @@ import numpy as np
 from kivi_jax import quant
 from kivi_jax.cache import make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
-from models.attention import causal_attention
-from models.llama import Params, forward
+from kivi_jax.models.attention import causal_attention
+from kivi_jax.models.llama import Params, forward
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Text and windows

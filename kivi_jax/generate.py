@@ -15,8 +15,8 @@ import numpy as np
 
 from kivi_jax.cache import CacheCapacityError, make_cache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
-from models.config import LlamaConfig
-from models.llama import Params, forward
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import Params, forward
 
 PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
 CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import causal_attention
-from models.config import LlamaConfig
-from models.protocol import KVCache
+from .attention import causal_attention
+from .config import LlamaConfig
+from .protocol import KVCache
 
 
 @struct.dataclass

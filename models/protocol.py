@@ -1,4 +1,4 @@
-"""The small protocol between a model and the cache it is handed (DESIGN §1).
+"""The small protocol between a model and the cache it is handed (docs/design.md §1).
 
 The model computes queries, keys and values for one layer and hands them to the cache; the cache answers the
 attention and returns what that layer would store; after the last layer the cache commits all layers' updates. The cache owns the attention implementation, so the same model code runs over the

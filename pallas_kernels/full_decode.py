@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import flash_decoding as fd
+from . import flash_decoding as fd
 
 BLOCK_TOKENS = 64  # tokens a program reads per loop step (at most; the largest power of two dividing the cache)
 MIN_BLOCK = 16  # Triton's dot needs at least 16 columns

@@ -1,6 +1,6 @@
 """Fused dequantize + attention decode over a KIVI cache: a flash-decoding Pallas kernel and its pure-jnp twin.
 
-The cache (DESIGN §2), stacked over layers, read in place (the layer is an index the kernel reads, never a slice):
+The cache (docs/design.md §2), stacked over layers, read in place (the layer is an index the kernel reads, never a slice):
 - keys per-channel: codes `[layers, batch, kv_heads, tokens, D // pk]` uint8 planar-packed, scale/min
   `[layers, batch, kv_heads, tokens // G, D]`; quantized for tokens `[0, (length // R) * R)`;
 - values per-token: codes `[layers, batch, kv_heads, tokens, D // pv]`, scale/min `[layers, batch, kv_heads, tokens,
@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import flash_decoding as fd
+from . import flash_decoding as fd
 
 KERNEL_BITS = (2, 4)
 KERNEL_GROUPS = (32, 64, 128)
@@ -79,7 +79,7 @@ def split_parts(x: jax.Array, dtype) -> list[jax.Array]:
 
 
 def segment_bounds(length, residual: int, window: int | None):
-    """Per sequence: (first visible token, end of the both-quantized segment), DESIGN §2's token ranges."""
+    """Per sequence: (first visible token, end of the both-quantized segment), docs/design.md §2's token ranges."""
     main_end = jnp.maximum(length - residual, 0)  # = min(keys' (len // R) * R, values' max(len - R, 0))
     lo = jnp.zeros_like(length) if window is None else jnp.maximum(length - window + 1, 0)
     return lo, main_end

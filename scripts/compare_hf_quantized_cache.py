@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# name -> QuantizedCache keywords (None: full precision); group 64 and residual 128 as in DESIGN §6's reference run
+# name -> QuantizedCache keywords (None: full precision); group 64 and residual 128 as in docs/design.md §6's reference run
 CONFIGS = {
     "full": None,
     "quanto-k2v2-g64-r128-ktok": dict(nbits=2, axis_key=0, axis_value=0, q_group_size=64, residual_length=128),

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import full_decode, kivi_decode
+from kivi_jax.pallas_kernels import full_decode, kivi_decode
 
 MODELS = {  # kv heads, query heads, head_dim
     "llama2-7b": (32, 32, 128),

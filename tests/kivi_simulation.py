@@ -64,7 +64,7 @@ class SimulatedKIVI:
 
 def simulated_nll(params, windows: jax.Array, prefill: int, kivi: KIVIConfig | None) -> jax.Array:
     """Per scored token `[windows, decode]` NLL of the protocol, by one forward pass (`kivi=None`: no quantization)."""
-    from models.llama import forward
+    from kivi_jax.models.llama import forward
 
     windows = jnp.asarray(windows, jnp.int32)
     tokens = windows[:, :-1]

@@ -14,8 +14,8 @@ import kivi_jax
 from conftest import TINY_VOCAB, hf_logits, make_hf_model
 from kivi_jax import checkpoint, cli, hub
 from kivi_jax.checkpoint import CheckpointError
-from models.config import UnsupportedModelError
-from models.llama import forward
+from kivi_jax.models.config import UnsupportedModelError
+from kivi_jax.models.llama import forward
 
 
 def tokens(seed=0, n=24):

@@ -12,8 +12,8 @@ from kivi_jax import cli, evaluate
 from kivi_jax.cache import FullCache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_simulation import simulated_nll
-from models.config import LlamaConfig
-from models.llama import forward, init_params
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import forward, init_params
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16)

@@ -48,7 +48,7 @@ def test_smoke_run_prints_the_table_and_writes_the_json(tmp_path, capsys, monkey
 
 def test_bytes_each_must_read():
     """The bandwidth denominators: at 64K tokens a 2-bit, G=32 cache reads 3 bits a value plus its fp16 ring."""
-    from pallas_kernels import full_decode, kivi_decode
+    from kivi_jax.pallas_kernels import full_decode, kivi_decode
 
     quantized = 65536 - 128
     codes = quantized * 128 * (2 + 2) // 8

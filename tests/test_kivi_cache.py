@@ -10,8 +10,8 @@ import pytest
 from kivi_jax import attention, quant
 from kivi_jax.cache import KIVICache, full_cache_bytes, kivi_cache_bytes, make_cache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
-from models.config import LlamaConfig
-from models.llama import forward, init_params
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import forward, init_params
 from reference import dense_kivi_decode
 
 G, R = 16, 32

@@ -8,8 +8,8 @@ import pytest
 from conftest import TINY_CONFIGS, TINY_VOCAB, hf_logits
 from kivi_jax.cache import FullCache
 from kivi_jax.checkpoint import load_hf
-from models.config import LlamaConfig, UnsupportedModelError
-from models.llama import forward
+from kivi_jax.models.config import LlamaConfig, UnsupportedModelError
+from kivi_jax.models.llama import forward
 
 TOL = 1e-4
 SEQ = 40  # longer than the Mistral window (11) and the llama3 original context (32)

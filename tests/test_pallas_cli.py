@@ -7,7 +7,7 @@ import warnings
 
 from conftest import char_tokenizer, make_hf_model
 from kivi_jax import cli
-from pallas_kernels import full_decode
+from kivi_jax.pallas_kernels import full_decode
 
 
 def test_cli_generate_with_the_kernel_matches_the_xla_path(tmp_path, capsys, monkeypatch):

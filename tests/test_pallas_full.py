@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kivi_jax import attention
-from pallas_kernels import full_decode
+from kivi_jax.pallas_kernels import full_decode
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 FAST = {"xla_backend_optimization_level": 0}  # interpret mode compiles slowly; codegen speed does not matter here

@@ -13,9 +13,9 @@ import kivi_jax
 from kivi_jax import attention
 from kivi_jax.cache import KIVICache
 from kivi_jax.config import KIVIConfig
-from models.config import LlamaConfig
-from models.llama import init_params
-from pallas_kernels import kivi_decode
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import init_params
+from kivi_jax.pallas_kernels import kivi_decode
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 FAST = {"xla_backend_optimization_level": 0}

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from kivi_jax.cache import make_cache
-from models.config import LlamaConfig
-from models.llama import forward, init_params
-from pallas_kernels import flash_decoding, full_decode, kivi_decode
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import forward, init_params
+from kivi_jax.pallas_kernels import flash_decoding, full_decode, kivi_decode
 
 TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")  # the custom-call target, old and new jaxlibs
 

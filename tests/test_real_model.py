@@ -12,7 +12,7 @@ import pytest
 import kivi_jax
 from conftest import torch_threads
 from kivi_jax import hub
-from models.llama import forward
+from kivi_jax.models.llama import forward
 
 pytestmark = pytest.mark.slow
 
