@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax.pallas_kernels import full_decode, kivi_decode
+from pallas_kernels import full_decode, kivi_decode  # the checkout's folder: this script needs only jax and numpy
 
 MODELS = {  # kv heads, query heads, head_dim
     "llama2-7b": (32, 32, 128),
