@@ -1,9 +1,16 @@
-"""Decode attention over a cache: the blockwise XLA path (online softmax over token blocks) and the dispatch that
-picks the Pallas kernel on GPU.
+"""Attention over a cache for any number of new tokens (docs/design.md §3, §7): the blockwise XLA path and the
+dispatch that picks a decode kernel.
 
-Every decode function answers one new query token per sequence against what the cache holds plus the token's own
-key and value, which the caller passes in full precision. Shapes: q `[batch, 1, q_heads, head_dim]` (GQA: query head
-`h * n_rep + r` reads kv head `h`); cache tensors stacked `[layers, batch, kv_heads, tokens, ...]` and read one
+One path serves every case. `T >= 1` new tokens a sequence (right-padded, `num_new [batch]` real) at positions
+`length + [0, T)` attend to what the cache holds *as stored* (quantized tokens from their codes, the ring in full
+precision) and to themselves, causally, in full precision. A prefill is the empty-cache case; decode is `T = 1`.
+Queries are grouped by kv head (GQA: query head `h * n_rep + r` reads kv head `h`) into rows `t * n_rep + r`, and
+every segment (quantized blocks, the ring, the new tokens) updates one online softmax per row, a block of tokens at
+a time: memory is bounded by the chunk and block sizes, and no dequantized cache is ever built.
+
+Dispatch: a decode step (`T = 1`) may take a kernel (`decode_kivi`, `decode_full`: Pallas on GPU); a chunk of more
+than one token takes the XLA path on every backend.
+Shapes: q `[batch, T, q_heads, head_dim]`; cache tensors stacked `[layers, batch, kv_heads, tokens, ...]`, read one
 block of one layer at a time (`layer=None` takes tensors that hold one layer already).
 """
 
@@ -14,6 +21,8 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from kivi_jax import layout
 
 BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
 
@@ -40,15 +49,40 @@ def gather_tokens(a: jax.Array, layer, rows: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Online softmax
+# Query rows and the online softmax
+
+
+class Rows(NamedTuple):
+    """The new tokens' queries grouped by kv head: `q [batch, kv_heads, T * n_rep, head_dim]` float32, scaled by
+    1/sqrt(head_dim); `pos [batch, T * n_rep]` the position of each row's token."""
+
+    q: jax.Array
+    pos: jax.Array
+
+
+def group_queries(q: jax.Array, positions: jax.Array, kv_heads: int) -> Rows:
+    """q `[batch, T, q_heads, head_dim]`, positions `[batch, T]` -> `Rows` (row `t * n_rep + r`)."""
+    batch, tokens, q_heads, head_dim = q.shape
+    n_rep = q_heads // kv_heads
+    qg = (q.astype(jnp.float32) * head_dim**-0.5).reshape(batch, tokens, kv_heads, n_rep, head_dim)
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, tokens * n_rep, head_dim)
+    return Rows(qg, jnp.repeat(positions.astype(jnp.int32), n_rep, axis=1))
+
+
+def ungroup(out: jax.Array, tokens: int, dtype) -> jax.Array:
+    """`[batch, kv_heads, T * n_rep, head_dim]` -> `[batch, T, q_heads, head_dim]` in `dtype`."""
+    batch, kv_heads, rows, head_dim = out.shape
+    n_rep = rows // tokens
+    out = out.reshape(batch, kv_heads, tokens, n_rep, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, tokens, kv_heads * n_rep, head_dim).astype(dtype)
 
 
 class Softmax(NamedTuple):
-    """Online-softmax state for `[batch, kv_heads, n_rep]` query rows."""
+    """Online-softmax state for `[batch, kv_heads, rows]` query rows."""
 
-    m: jax.Array  # [batch, kv_heads, n_rep] running max (-inf before any score)
-    l: jax.Array  # [batch, kv_heads, n_rep] running sum of exp(score - m)
-    acc: jax.Array  # [batch, kv_heads, n_rep, head_dim] running sum of exp(score - m) * value
+    m: jax.Array  # [batch, kv_heads, rows] running max (-inf before any score)
+    l: jax.Array  # [batch, kv_heads, rows] running sum of exp(score - m)
+    acc: jax.Array  # [batch, kv_heads, rows, head_dim] running sum of exp(score - m) * value
 
     @classmethod
     def empty(cls, q: jax.Array) -> "Softmax":
@@ -66,34 +100,23 @@ class Softmax(NamedTuple):
         return Softmax(m_new, l, acc)
 
     def result(self) -> jax.Array:
-        return self.acc / self.l[..., None]
+        """Normalized rows; a row that saw no token (a padded query of an empty cache) is 0, never NaN."""
+        return self.acc / jnp.where(self.l > 0, self.l, 1.0)[..., None]
 
 
-def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
-    """`[batch, 1, q_heads, head_dim]` -> float32 `[batch, kv_heads, n_rep, head_dim]`, scaled by 1/sqrt(head_dim)."""
-    batch, _, q_heads, head_dim = q.shape
-    return (q[:, 0].astype(jnp.float32) * head_dim**-0.5).reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-
-
-def ungroup(out: jax.Array, dtype) -> jax.Array:
-    """`[batch, kv_heads, n_rep, head_dim]` -> `[batch, 1, q_heads, head_dim]` in `dtype`."""
-    batch, kv_heads, n_rep, head_dim = out.shape
-    return out.reshape(batch, 1, kv_heads * n_rep, head_dim).astype(dtype)
-
-
-def token_mask(pos: jax.Array, end: jax.Array, query_pos: jax.Array, window: int | None, begin=None) -> jax.Array:
-    """`[batch, tokens]`: positions `pos [tokens]` in `[begin, end)` (per sequence) and inside the sliding window."""
-    valid = pos[None, :] < end[:, None]
-    if begin is not None:
-        valid &= pos[None, :] >= begin
+def stored_mask(pos: jax.Array, begin, end: jax.Array, rows: Rows, window: int | None) -> jax.Array:
+    """`[batch, rows or 1, tokens]`: stored positions `pos [tokens]` in `[begin, end)` per sequence (`begin` a scalar
+    or `[batch]`) and inside each row's sliding window. Stored tokens precede every new token: no causal test."""
+    ok = (pos[None, :] < end[:, None]) & (pos[None, :] >= jnp.asarray(begin).reshape(-1, 1))
+    ok = ok[:, None, :]
     if window is not None:
-        valid &= query_pos[:, None] - pos[None, :] < window
-    return valid
+        ok = ok & (rows.pos[:, :, None] - pos[None, None, :] < window)
+    return ok
 
 
 def masked(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    """Scores `[batch, kv_heads, n_rep, tokens]` with invalid tokens `[batch, tokens]` set to -inf."""
-    return jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    """Scores `[batch, kv_heads, rows, tokens]` with invalid tokens (`valid [batch, rows or 1, tokens]`) at -inf."""
+    return jnp.where(valid[:, None], scores, -jnp.inf)
 
 
 def blockwise(
@@ -113,44 +136,71 @@ def blockwise(
     return jax.lax.fori_loop(0, n_blocks, body, state)
 
 
-def add_new_token(state: Softmax, q: jax.Array, k_new: jax.Array, v_new: jax.Array) -> Softmax:
-    """Adds the query token's own key and value `[batch, 1, kv_heads, head_dim]` (always visible, full precision)."""
-    k = k_new[:, 0].astype(jnp.float32)  # [batch, kv_heads, head_dim]
-    v = v_new[:, 0].astype(jnp.float32)
-    scores = jnp.einsum("bhrd,bhd->bhr", q, k)[..., None]
-    return state.update(scores, lambda p: p * v[:, :, None, :])
-
-
 def block_size(num_tokens: int, multiple: int = 1, block: int = BLOCK_TOKENS) -> int:
     """The loop's block: at most `block` tokens and all of a short cache, a multiple of `multiple` (G)."""
     block = min(block, num_tokens)
     return block - block % multiple
 
 
+def dense_values(p: jax.Array, v: jax.Array) -> jax.Array:
+    """Probabilities `[batch, kv_heads, rows, tokens]` times full-precision values `[batch, kv_heads, tokens, D]`."""
+    return jnp.einsum("bhrt,bhtd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
+               num_new: jax.Array, window: int | None, block: int = BLOCK_TOKENS) -> Softmax:
+    """Adds the new tokens themselves, causally, in full precision: k_new, v_new `[batch, T, kv_heads, head_dim]` at
+    `positions [batch, T]`, of which the first `num_new [batch]` are real."""
+    tokens = k_new.shape[1]
+    k = jnp.swapaxes(k_new, 1, 2)  # [batch, kv_heads, T, head_dim]
+    v = jnp.swapaxes(v_new, 1, 2)
+    block = block_size(tokens, 1, block)
+
+    def step(state: Softmax, start, first_new) -> Softmax:
+        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)  # [batch, kv_heads, block, head_dim]
+        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
+        idx = start + jnp.arange(block)
+        pos = jax.lax.dynamic_slice_in_dim(positions, start, block, axis=1)  # [batch, block]
+        ok = layout.visible(pos, rows.pos, window)  # [batch, rows, block]
+        ok &= ((idx[None, :] < num_new[:, None]) & (idx[None, :] >= first_new))[:, None, :]
+        scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
+        return state.update(masked(scores, ok), lambda p: dense_values(p, vb))
+
+    if block == tokens:  # one block: no loop
+        return step(state, 0, 0)
+    return blockwise(state, tokens, block, jnp.full((1,), tokens), step)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Full precision
 
 
-def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, block: int = BLOCK_TOKENS) -> jax.Array:
-    """Decode attention over one layer of a full-precision cache `[(layers,) batch, kv_heads, tokens, head_dim]` that
-    holds `length [batch]` tokens; k_new/v_new `[batch, 1, kv_heads, head_dim]` sit at position `length`.
-    Returns `[batch, 1, q_heads, head_dim]` in q's dtype."""
+def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
+                    block: int = BLOCK_TOKENS) -> jax.Array:
+    """New tokens `q [batch, T, q_heads, head_dim]` at `positions [batch, T]` over one layer of a full-precision
+    cache `[(layers,) batch, kv_heads, tokens, head_dim]` holding `length [batch]` tokens, plus the new keys and
+    values `[batch, T, kv_heads, head_dim]` (`num_new [batch]` real). Returns `[batch, T, q_heads, head_dim]`."""
     kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
-    qg = group_queries(q, kv_heads)  # [batch, kv_heads, n_rep, head_dim]
+    rows = group_queries(q, positions, kv_heads)
     block = block_size(num_tokens, 1, block)
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = layer_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
         vb = layer_tokens(v_cache, layer, start, block)
-        valid = token_mask(start + jnp.arange(block), length, length, window, begin=first_new)
-        scores = masked(jnp.einsum("bhrd,bhtd->bhrt", qg, kb, preferred_element_type=jnp.float32), valid)
-        return state.update(
-            scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        )
+        valid = stored_mask(start + jnp.arange(block), first_new, length, rows, window)
+        scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
+        return state.update(masked(scores, valid), lambda p: dense_values(p, vb))
 
-    state = blockwise(Softmax.empty(qg), num_tokens, block, length, step)
-    state = add_new_token(state, qg, k_new, v_new)
-    return ungroup(state.result(), q.dtype)
+    state = blockwise(Softmax.empty(rows.q), num_tokens, block, length, step)
+    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block)
+    return ungroup(state.result(), q.shape[1], q.dtype)
+
+
+def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, block: int = BLOCK_TOKENS) -> jax.Array:
+    """One new token a sequence (`q [batch, 1, q_heads, head_dim]`, k_new/v_new `[batch, 1, kv_heads, head_dim]` at
+    position `length`) over one layer of a full-precision cache: `attend_full_xla` with T = 1, the kernels' twin."""
+    return attend_full_xla(q, length[:, None], k_cache, v_cache, layer, length, k_new, v_new,
+                           jnp.ones_like(length), window, block)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -231,13 +281,6 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
     return acc + jnp.einsum("bhrgd,bhgd->bhrd", sums, scale)
 
 
-def ring_tokens(length: jax.Array, residual: int) -> jax.Array:
-    """`[batch, R]`: the token each ring slot holds once `length` tokens are in (the newest t < length with
-    t % R == slot); negative where the slot was never written."""
-    last = length[:, None] - 1
-    return last - jnp.mod(last - jnp.arange(residual)[None, :], residual)
-
-
 def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
     """float32 `[batch, kv_heads, R, head_dim]`: what attention sees for each ring slot's token `held [batch, R]`.
 
@@ -248,51 +291,60 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
     ring = ring.astype(jnp.float32)
     if store.axis == "token":  # a per-token store quantizes a token exactly when it leaves the ring
         return ring
-    end = store.quantized_end(length, residual)  # [batch]
-    rows = jnp.maximum(end - residual, 0)[:, None] + jnp.arange(residual)[None, :]
+    end = layout.quantized_end(store.axis, length, residual)  # [batch]
+    rows = layout.last_flushed_block(length, residual)[:, None] + jnp.arange(residual)[None, :]
     block = store.gather_rows(layer, rows).dequantize()  # [batch, kv_heads, R, head_dim]
     return jnp.where((held < end[:, None])[:, None, :, None], block, ring)
 
 
-def decode_kivi_xla(
-    q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS
-) -> jax.Array:
-    """Decode attention over one layer of a KIVI cache (docs/design.md §3), blockwise with an online softmax.
+def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
+                    block: int = BLOCK_TOKENS) -> jax.Array:
+    """New tokens over one layer of a KIVI cache (docs/design.md §3, §7), blockwise with an online softmax.
 
-    Three segments: tokens whose key and value are both quantized (walked in blocks, scales folded into q and p);
-    the newest up-to-R tokens (ring, or the last flushed key block); the new token itself (full precision).
-    Stores are stacked over layers (or one layer with `layer=None`); rings `[batch, kv_heads, R, head_dim]`.
-    Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
+    Four segments: tokens whose key and value are both quantized (walked in blocks, scales folded into q and p);
+    the newest up-to-R stored tokens (ring, or the last flushed key block); the new tokens themselves (full precision,
+    causal). Stores are stacked over layers (or one layer with `layer=None`); rings `[batch, kv_heads, R, head_dim]`
+    of that layer. q `[batch, T, q_heads, head_dim]` at `positions [batch, T]`; k_new, v_new `[batch, T, kv_heads,
+    head_dim]`, the first `num_new [batch]` real. Returns `[batch, T, q_heads, head_dim]` in q's dtype.
     """
     kv_heads, num_tokens = k_store.codes.shape[-3], k_store.codes.shape[-2]
     residual = k_ring.shape[2]
-    qg = group_queries(q, kv_heads)
-    main_end = jnp.minimum(k_store.quantized_end(length, residual), v_store.quantized_end(length, residual))
+    rows = group_queries(q, positions, kv_heads)
+    main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
     block = block_size(num_tokens, max(k_store.group_size, v_store.group_size), block)  # whole per-channel groups
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)
         vb = v_store.token_slice(start, block, layer)
-        valid = token_mask(start + jnp.arange(block), main_end, length, window, begin=first_new)
-        scores = masked(quantized_scores(qg, kb), valid)
+        valid = stored_mask(start + jnp.arange(block), first_new, main_end, rows, window)
+        scores = masked(quantized_scores(rows.q, kb), valid)
         return state.update(scores, lambda p: quantized_values(p, vb))
 
-    state = blockwise(Softmax.empty(qg), num_tokens, block, main_end, step)
+    state = blockwise(Softmax.empty(rows.q), num_tokens, block, main_end, step)
 
-    held = ring_tokens(length, residual)  # [batch, R]
+    held = layout.ring_tokens(length, residual)  # [batch, R]
     k_win = window_tensor(k_store, layer, k_ring, held, length)
     v_win = window_tensor(v_store, layer, v_ring, held, length)
-    valid = (held >= main_end[:, None]) & (held >= 0)
+    valid = ((held >= main_end[:, None]) & (held >= 0))[:, None, :]  # [batch, 1, R]
     if window is not None:
-        valid &= length[:, None] - held < window
-    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", qg, k_win), valid)
+        valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
+    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, k_win), valid)
     state = state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_win))
-    state = add_new_token(state, qg, k_new, v_new)
-    return ungroup(state.result(), q.dtype)
+    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block)
+    return ungroup(state.result(), q.shape[1], q.dtype)
+
+
+def decode_kivi_xla(
+    q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS
+) -> jax.Array:
+    """One new token a sequence (at position `length`) over one layer of a KIVI cache: `attend_kivi_xla` with T = 1,
+    the decode kernels' twin. Rings `[batch, kv_heads, R, head_dim]` of that layer."""
+    return attend_kivi_xla(q, length[:, None], k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
+                           jnp.ones_like(length), window, block)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Dispatch
+# Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) takes the XLA path on every backend.
 
 
 def use_pallas(impl: str) -> bool:
@@ -306,6 +358,25 @@ def fall_back(impl: str, reason: str) -> None:
     """The kernel cannot serve this cache: say so when the caller forced `pallas` (`auto` falls back quietly)."""
     if impl == "pallas":
         warnings.warn(f"attention_impl='pallas': {reason}; using the XLA path", stacklevel=3)
+
+
+def attend_full(impl: str, q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window):
+    """New tokens over one layer of a full-precision cache with the chosen implementation (kernels: T = 1 only)."""
+    if q.shape[1] == 1:
+        return decode_full(impl, q, k_cache, v_cache, layer, length, k_new, v_new, window)
+    return attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window)
+
+
+def attend_kivi(impl: str, q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
+                window):
+    """New tokens over one layer of a KIVI cache with the chosen implementation (kernels: T = 1 only). Rings come
+    stacked like the stores."""
+    if q.shape[1] == 1:
+        return decode_kivi(impl, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
+    if layer is not None:
+        k_ring, v_ring = k_ring[layer], v_ring[layer]
+    return attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
+                           window)
 
 
 def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, window):

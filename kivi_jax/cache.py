@@ -1,9 +1,14 @@
 """Cache pytrees: the full-precision cache (the baseline) and the KIVI cache.
 
 Both hold every layer stacked on a leading axis, are preallocated at their final size, and keep one counter,
-`length [batch]`. Inside the model's layer scan a cache is only read: each layer returns a small update (the new
-token's rows), and `commit` writes all layers' updates at once after the scan. Reads inside the loop and writes
-after it let XLA update the donated buffers in place instead of copying the whole cache every step.
+`length [batch]`. Any number of new tokens a sequence (`num_new [batch]`, 0 allowed) goes onto any cache through one
+protocol (docs/design.md §7): inside the model's layer scan a cache is only read — `attend` answers the new tokens'
+attention and returns that layer's typed update — and `commit` writes all layers' updates at once after the scan.
+Reads inside the loop and writes after it let XLA update the donated buffers in place.
+
+Misuse is never silent: a sequence whose tokens would run past the cache's capacity, or whose token ids lie outside
+the vocabulary, gets a bit in `error_flags [batch]` (sticky), and its logits come back NaN (`models.llama.forward`);
+`generate` turns a flag into an error. KIVI's float16 scale overflow is a third bit.
 """
 
 from __future__ import annotations
@@ -14,17 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kivi_jax import attention, quant
+from kivi_jax import attention, layout, quant
 from kivi_jax.config import KIVIConfig, parse_cache_spec
-from kivi_jax.models.attention import causal_attention
 from kivi_jax.models.config import LlamaConfig
 
+from kivi_jax.models.protocol import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError  # noqa: F401
+
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
-
-
-class CacheCapacityError(ValueError):
-    """More tokens than the cache was allocated for."""
-
 
 def check_impl(impl: str) -> str:
     if impl not in ATTENTION_IMPLS:
@@ -32,22 +33,9 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def check_prefill_fits(n_tok: int, max_tokens: int) -> None:
-    if n_tok > max_tokens:
-        raise CacheCapacityError(
-            f"a prefill of {n_tok} tokens does not fit a cache of {max_tokens} tokens; allocate a larger cache"
-        )
-
-
 def tree_bytes(tree) -> int:
     """Bytes of a pytree's array leaves, concrete or abstract (`jax.eval_shape`): what a cache reports as its size."""
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
-def zero_padding(x: jax.Array, num_new: jax.Array) -> jax.Array:
-    """`x [batch, tokens, ...]` with the tokens at or past `num_new [batch]` set to zero."""
-    keep = jnp.arange(x.shape[1])[None, :] < num_new[:, None]
-    return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
 def scatter_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
@@ -58,14 +46,28 @@ def scatter_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Arra
     return buf.at[:, jnp.arange(batch)[:, None], :, rows].set(vals, mode="drop")
 
 
-def write_prefix(buf: jax.Array, values: jax.Array) -> jax.Array:
-    """Writes `values [layers, batch, kv_heads, n, ...]` over the first n token rows of `buf`."""
-    return jax.lax.dynamic_update_slice(buf, values.astype(buf.dtype), (0,) * buf.ndim)
+def heads_first(x: jax.Array) -> jax.Array:
+    """New tokens `[batch, tokens, kv_heads, head_dim]` -> `[batch, kv_heads, tokens, head_dim]`."""
+    return jnp.swapaxes(x, 1, 2)
 
 
-def stored_layout(x: jax.Array, num_new: jax.Array, dtype) -> jax.Array:
-    """New tokens `[batch, tokens, kv_heads, head_dim]` -> `[batch, kv_heads, tokens, head_dim]` in `dtype`, padding 0."""
-    return zero_padding(x, num_new).astype(dtype).transpose(0, 2, 1, 3)
+def new_rows(length: jax.Array, num_new: jax.Array, tokens: int, max_tokens: int) -> jax.Array:
+    """`[batch, tokens]`: the row each new token goes to, `length + i`, or `max_tokens` (dropped) for padding."""
+    i = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    return jnp.where(i < num_new[:, None], length[:, None] + i, max_tokens)
+
+
+def capacity_flags(length: jax.Array, num_new: jax.Array, max_tokens: int) -> jax.Array:
+    """`[batch]` int32: PAST_CAPACITY where `length + num_new` exceeds the cache."""
+    return jnp.where(length + num_new > max_tokens, PAST_CAPACITY, 0).astype(jnp.int32)
+
+
+@struct.dataclass
+class FullUpdate:
+    """One layer's new rows for a full-precision cache (stacked over layers after the scan)."""
+
+    k: jax.Array  # [batch, kv_heads, T, head_dim] after RoPE, the cache's dtype
+    v: jax.Array  # [batch, kv_heads, T, head_dim]
 
 
 @struct.dataclass
@@ -75,15 +77,19 @@ class FullCache:
     k: jax.Array  # [layers, batch, kv_heads, max_tokens, head_dim]
     v: jax.Array  # [layers, batch, kv_heads, max_tokens, head_dim]
     length: jax.Array  # [batch] int32
+    error_flags: jax.Array  # [batch] int32, bits BAD_TOKEN | PAST_CAPACITY
     impl: str = struct.field(pytree_node=False, default="auto")
 
     @classmethod
     def create(cls, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto") -> "FullCache":
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens} must be positive")
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_tokens, cfg.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             length=jnp.zeros((batch,), jnp.int32),
+            error_flags=jnp.zeros((batch,), jnp.int32),
             impl=check_impl(impl),
         )
 
@@ -95,26 +101,49 @@ class FullCache:
     def nbytes(self) -> int:
         return tree_bytes(self)
 
-    def prefill_attend(self, layer, q, k, v, num_new, window):
-        check_prefill_fits(k.shape[1], self.max_tokens)
-        out = causal_attention(q, k, v, num_new, window)
-        return out, {"prefill_k": stored_layout(k, num_new, self.k.dtype), "prefill_v": stored_layout(v, num_new, self.v.dtype)}
+    @property
+    def spec(self) -> str:
+        return "full"
 
-    def decode_attend(self, layer, q, k, v, window):
-        out = attention.decode_full(self.impl, q, self.k, self.v, layer, self.length, k, v, window)
-        return out, {"k": k[:, 0, :, None, :], "v": v[:, 0, :, None, :]}  # [batch, kv_heads, 1, head_dim]
+    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+        """New tokens' attention over this layer (keys rotated here, then stored after RoPE) and their rows."""
+        k = rope(k, positions).astype(self.k.dtype)
+        v = v.astype(self.v.dtype)
+        out = attention.attend_full(self.impl, q, positions, self.k, self.v, layer, self.length, k, v, num_new, window)
+        return out, FullUpdate(heads_first(k), heads_first(v))
 
-    def commit(self, updates: dict, num_new: jax.Array) -> "FullCache":
-        if "prefill_k" in updates:
-            k, v = write_prefix(self.k, updates["prefill_k"]), write_prefix(self.v, updates["prefill_v"])
-        else:
-            rows = self.length[:, None]
-            k, v = scatter_rows(self.k, rows, updates["k"]), scatter_rows(self.v, rows, updates["v"])
-        return self.replace(k=k, v=v, length=self.length + num_new.astype(jnp.int32))
+    def commit(self, updates: FullUpdate, num_new: jax.Array) -> "FullCache":
+        num_new = num_new.astype(jnp.int32)
+        rows = new_rows(self.length, num_new, updates.k.shape[3], self.max_tokens)
+        return self.replace(
+            k=scatter_rows(self.k, rows, updates.k),
+            v=scatter_rows(self.v, rows, updates.v),
+            length=self.length + num_new,
+            error_flags=self.error_flags | capacity_flags(self.length, num_new, self.max_tokens),
+        )
+
+    def grown(self, max_tokens: int) -> "FullCache":
+        """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
+        pad = [(0, 0)] * 3 + [(0, max_tokens - self.max_tokens), (0, 0)]
+        return self.replace(k=jnp.pad(self.k, pad), v=jnp.pad(self.v, pad))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # KIVI
+
+
+@struct.dataclass
+class Quantized:
+    """Codes, scales and mins of some tokens of one store (what `QuantStore.quantize` gives)."""
+
+    codes: jax.Array  # [..., tokens, head_dim // p] uint8
+    scale: jax.Array  # [..., groups along tokens or tokens, head_dim or groups along channels]
+    mn: jax.Array
+
+    def bad(self, groups: jax.Array) -> jax.Array:
+        """`[batch]`: a scale or min is not finite in a group selected by `groups [batch, scale rows]`."""
+        finite = jnp.isfinite(self.scale.astype(jnp.float32)) & jnp.isfinite(self.mn.astype(jnp.float32))
+        return jnp.any(~jnp.all(finite, axis=-1) & groups[:, None, :], axis=(1, 2))
 
 
 @struct.dataclass
@@ -153,17 +182,35 @@ class QuantStore:
         return self.codes.shape[-2]
 
     def quantized_end(self, length: jax.Array, residual: int) -> jax.Array:
-        """Tokens `[0, end)` are quantized once `length` tokens are in: whole R-blocks, or all but the newest R."""
-        if self.axis == "channel":
-            return (length // residual) * residual
-        return jnp.maximum(length - residual, 0)
+        """Tokens `[0, end)` are quantized once `length` tokens are in (`layout.quantized_end` on this axis)."""
+        return layout.quantized_end(self.axis, length, residual)
 
-    def quantize(self, x: jax.Array) -> dict:
-        """`x [..., tokens, head_dim]` -> {codes, scale, mn} on this store's axis, plus `bad [...]` (non-finite)."""
+    def quantize(self, x: jax.Array) -> Quantized:
+        """`x [..., tokens, head_dim]` -> codes, scales and mins on this store's axis."""
         fn = quant.quantize_per_channel if self.axis == "channel" else quant.quantize_per_token
-        codes, scale, mn = fn(x, self.bits, self.group_size, self.scale.dtype)
-        finite = jnp.all(jnp.isfinite(scale), axis=(-2, -1)) & jnp.all(jnp.isfinite(mn), axis=(-2, -1))
-        return {"codes": codes, "scale": scale, "mn": mn, "bad": ~finite}
+        return Quantized(*fn(x, self.bits, self.group_size, self.scale.dtype))
+
+    def append_start(self, length: jax.Array, residual: int) -> jax.Array:
+        """`[batch]`: the first token position an append onto `length` tokens may quantize: the token leaving the ring
+        (per-token, `length - R`) or the current partial R-block (per-channel, `(length // R) * R`)."""
+        return length - residual if self.axis == "token" else layout.quantized_end("channel", length, residual)
+
+    def append_positions(self, length: jax.Array, tokens: int, residual: int) -> jax.Array:
+        """`[batch, n]`: the token positions an append of up to `tokens` new tokens onto `length` may quantize: `n =
+        tokens` leaving the ring (per-token) or the R-blocks that many tokens can complete (per-channel). Which of them
+        are written follows from the new length (`write_mask`); positions below 0 or past the new tokens never are."""
+        n = tokens if self.axis == "token" else layout.appended_blocks(tokens, residual) * residual
+        return self.append_start(length, residual)[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+
+    def write_mask(self, positions: jax.Array, length: jax.Array, new_length: jax.Array, residual: int) -> jax.Array:
+        """`[batch, n]`: positions that become quantized when `length` grows to `new_length`."""
+        old = self.quantized_end(length, residual)[:, None]
+        new = self.quantized_end(new_length, residual)[:, None]
+        return (positions >= old) & (positions < new)
+
+    def group_mask(self, token_mask: jax.Array) -> jax.Array:
+        """Per-token masks `[batch, n]` -> per scale row (one per G tokens for per-channel; rows are whole groups)."""
+        return token_mask if self.axis == "token" else token_mask[:, :: self.group_size]
 
     def dequantize(self) -> jax.Array:
         """Every token of a one-layer store in float32 `[batch, kv_heads, max_tokens, head_dim]` (references, tests)."""
@@ -199,38 +246,33 @@ class QuantStore:
         g = self.group_size
         return rows[:, ::g] // g
 
-    def write_rows(self, rows: jax.Array, q: dict) -> "QuantStore":
-        """Writes quantized rows `q` (stacked over layers, token rows `[batch, n]`) into every layer."""
+    def write_rows(self, rows: jax.Array, q: Quantized) -> "QuantStore":
+        """Writes quantized rows `q` (stacked over layers) at token rows `rows [batch, n]` into every layer; rows at
+        `max_tokens` or beyond are dropped."""
         srows = self.scale_rows(rows)
         return self.replace(
-            codes=scatter_rows(self.codes, rows, q["codes"]),
-            scale=scatter_rows(self.scale, srows, q["scale"]),
-            mn=scatter_rows(self.mn, srows, q["mn"]),
+            codes=scatter_rows(self.codes, rows, q.codes),
+            scale=scatter_rows(self.scale, srows, q.scale),
+            mn=scatter_rows(self.mn, srows, q.mn),
         )
 
-    def write_prefix(self, q: dict) -> "QuantStore":
-        return self.replace(
-            codes=write_prefix(self.codes, q["codes"]),
-            scale=write_prefix(self.scale, q["scale"]),
-            mn=write_prefix(self.mn, q["mn"]),
-        )
+    def grown(self, max_tokens: int) -> "QuantStore":
+        """The same store with room for `max_tokens` tokens (zeros appended along the token axis)."""
+        extra = max_tokens - self.max_tokens
+        g = self.group_size if self.axis == "channel" else 1
+        pad = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n), (0, 0)])
+        return self.replace(codes=pad(self.codes, extra), scale=pad(self.scale, extra // g), mn=pad(self.mn, extra // g))
 
 
-def _zero_beyond(q: dict, store: QuantStore, end: jax.Array) -> dict:
-    """Quantized prompt rows with everything at or past token `end [batch]` zeroed (as if never written)."""
-    n = q["codes"].shape[2]
-    keep = jnp.arange(n)[None, :] < end[:, None]  # [batch, tokens]
-    if store.axis == "channel":
-        g = store.group_size
-        keep_s = (jnp.arange(n // g)[None, :] + 1) * g <= end[:, None]
-    else:
-        keep_s = keep
+@struct.dataclass
+class KIVIUpdate:
+    """One layer's writes for a KIVI cache (stacked over layers after the scan)."""
 
-    def zero(x, k):
-        return jnp.where(k[:, None, :, None], x, jnp.zeros((), x.dtype))
-
-    return {"codes": zero(q["codes"], keep), "scale": zero(q["scale"], keep_s), "mn": zero(q["mn"], keep_s),
-            "bad": q["bad"]}
+    k: Quantized  # the key store's candidate rows (`QuantStore.append_positions`)
+    v: Quantized  # the value store's
+    k_ring: jax.Array  # [batch, kv_heads, R, head_dim]: the whole ring after the append
+    v_ring: jax.Array
+    bad: jax.Array  # [batch] bool: a written scale or min overflowed
 
 
 @struct.dataclass
@@ -246,7 +288,7 @@ class KIVICache:
     k_ring: jax.Array  # [layers, batch, kv_heads, R, head_dim] compute dtype
     v_ring: jax.Array  # [layers, batch, kv_heads, R, head_dim] compute dtype
     length: jax.Array  # [batch] int32
-    overflow: jax.Array  # [batch] bool: a stored scale or min was not finite (see KIVIConfig.scale_dtype)
+    error_flags: jax.Array  # [batch] int32, bits BAD_TOKEN | PAST_CAPACITY | SCALE_OVERFLOW
     config: KIVIConfig = struct.field(pytree_node=False)
     impl: str = struct.field(pytree_node=False, default="auto")
 
@@ -265,7 +307,7 @@ class KIVICache:
             k_ring=jnp.zeros(lead + (r, d), dtype),
             v_ring=jnp.zeros(lead + (r, d), dtype),
             length=jnp.zeros((batch,), jnp.int32),
-            overflow=jnp.zeros((batch,), bool),
+            error_flags=jnp.zeros((batch,), jnp.int32),
             config=kivi,
             impl=check_impl(impl),
         )
@@ -282,94 +324,90 @@ class KIVICache:
     def nbytes(self) -> int:
         return tree_bytes(self)
 
-    def prefill_attend(self, layer, q, k, v, num_new, window):
-        """Full-precision attention over the prompt; the update holds the prompt quantized as if appended one by one."""
-        check_prefill_fits(k.shape[1], self.max_tokens)
-        out = causal_attention(q, k, v, num_new, window)
-        return out, self.prompt_update(stored_layout(k, num_new, self.k_ring.dtype),
-                                       stored_layout(v, num_new, self.v_ring.dtype), num_new)
+    @property
+    def spec(self) -> str:
+        return self.config.spec
 
-    def prompt_update(self, k: jax.Array, v: jax.Array, num_new: jax.Array) -> dict:
-        """One layer's filled state from a prompt `[batch, kv_heads, tokens, head_dim]` of `num_new [batch]` tokens:
-        keys and values quantized up to their quantized ends, the ring holding the newest R tokens."""
-        r = self.residual
-        n_tok = k.shape[2]
-        padded = -(-n_tok // r) * r  # whole R-blocks (fits: max_tokens is a multiple of R)
-        pad = ((0, 0), (0, 0), (0, padded - n_tok), (0, 0))
-        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-        held = attention.ring_tokens(num_new, r)  # [batch, R]
-        idx = jnp.broadcast_to(jnp.maximum(held, 0)[:, None, :, None], k.shape[:2] + (r, k.shape[3]))
+    @property
+    def overflow(self) -> jax.Array:
+        """`[batch]` bool: a stored scale or min was not finite (see KIVIConfig.scale_dtype)."""
+        return (self.error_flags & SCALE_OVERFLOW) != 0
 
-        def ring(x):
-            x = jnp.take_along_axis(x, idx, axis=2)
-            return jnp.where((held >= 0)[:, None, :, None], x, jnp.zeros((), x.dtype))
+    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+        """New tokens' attention over this layer as it is stored (KIVI's order: the new tokens themselves in full
+        precision), and the update that appends them as one-at-a-time appends would."""
+        k = rope(k, positions).astype(self.k_ring.dtype)  # keys are stored after RoPE
+        v = v.astype(self.v_ring.dtype)
+        out = attention.attend_kivi(self.impl, q, positions, self.k, self.v, layer, self.k_ring, self.v_ring,
+                                    self.length, k, v, num_new, window)  # the stacked rings: a kernel reads them in place
+        return out, self.append_update(self.k_ring[layer], self.v_ring[layer], heads_first(k), heads_first(v), num_new)
 
-        return {
-            "prefill_k": _zero_beyond(self.k.quantize(k), self.k, self.k.quantized_end(num_new, r)),
-            "prefill_v": _zero_beyond(self.v.quantize(v), self.v, self.v.quantized_end(num_new, r)),
-            "k_ring": ring(k),
-            "v_ring": ring(v),
-        }
+    def append_update(self, k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array,
+                      num_new: jax.Array) -> KIVIUpdate:
+        """One layer's writes when new tokens `k, v [batch, kv_heads, T, head_dim]` (`num_new [batch]` real) arrive
+        at `length`: the candidate rows of each store quantized from the ring and the new tokens, and the new ring.
 
-    def decode_attend(self, layer, q, k, v, window):
-        """Attention over the cache as it stands plus the new token (KIVI's order); the update appends the token."""
-        out = attention.decode_kivi(self.impl, q, self.k, self.v, layer, self.k_ring, self.v_ring, self.length, k, v,
-                                    window)  # the stacked rings: a kernel reads them in place
-        return out, self.append_update(self.k_ring[layer], self.v_ring[layer], k[:, 0], v[:, 0])
-
-    def append_update(self, k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array) -> dict:
-        """One layer's rows to write when token t = length arrives (`k`, `v` `[batch, kv_heads, head_dim]`).
-
-        A per-token store quantizes the token leaving the ring (t - R, ring slot t % R); a per-channel store quantizes
-        the ring with the new token in its slot, which is written only when t + 1 completes an R-block.
+        Every quantized group is computed from the same values in the same order as one-token appends would, so the
+        stores come out bit-identical whatever the chunking (tests/test_chunked.py).
         """
-        r = self.residual
-        slot = jnp.mod(self.length, r)  # [batch]
-        in_slot = (jnp.arange(r)[None, :] == slot[:, None])[:, None, :, None]  # [batch, 1, R, 1]
-        update = {"k_new": k[:, :, None, :], "v_new": v[:, :, None, :]}
+        r, tokens = self.residual, k.shape[2]
+        length, new_length = self.length, self.length + num_new.astype(jnp.int32)
+        update, bad = {}, jnp.zeros(length.shape, bool)
         for name, store, ring, new in (("k", self.k, k_ring, k), ("v", self.v, v_ring, v)):
-            if store.axis == "token":
-                leaving = jnp.take_along_axis(ring, slot[:, None, None, None], axis=2)  # [batch, kv_heads, 1, head_dim]
-                update[name] = store.quantize(leaving)
-            else:
-                update[name] = store.quantize(jnp.where(in_slot, new[:, :, None, :].astype(ring.dtype), ring))
-        return update
+            pos = store.append_positions(length, tokens, r)  # [batch, n]
+            q = store.quantize(tokens_at(pos, ring, new, length))
+            bad = bad | q.bad(store.group_mask(store.write_mask(pos, length, new_length, r)))
+            update[name] = q
+        held = layout.ring_tokens(new_length, r)  # [batch, R]: the token each slot holds after the append
+        return KIVIUpdate(update["k"], update["v"], ring_after(k_ring, k, held, length),
+                          ring_after(v_ring, v, held, length), bad)
 
-    def commit(self, updates: dict, num_new: jax.Array) -> "KIVICache":
+    def commit(self, updates: KIVIUpdate, num_new: jax.Array) -> "KIVICache":
         """Writes every layer's update (stacked on a leading layer axis) and advances `length` by `num_new`."""
         r = self.residual
-        if "prefill_k" in updates:
-            pk, pv = updates["prefill_k"], updates["prefill_v"]
-            bad = jnp.any(pk["bad"], axis=(0, 2)) | jnp.any(pv["bad"], axis=(0, 2))
-            return self.replace(
-                k=self.k.write_prefix(pk),
-                v=self.v.write_prefix(pv),
-                k_ring=write_prefix(self.k_ring, updates["k_ring"]),
-                v_ring=write_prefix(self.v_ring, updates["v_ring"]),
-                length=self.length + num_new.astype(jnp.int32),
-                overflow=self.overflow | bad,
-            )
-        t = self.length
-        stores, bad = {}, self.overflow
+        num_new = num_new.astype(jnp.int32)
+        length, new_length = self.length, self.length + num_new
+        stores = {}
         for name, store in (("k", self.k), ("v", self.v)):
-            if store.axis == "token":  # row t - R, once t >= R
-                write, first = t >= r, t - r
-            else:  # the block [t + 1 - R, t + 1), once t + 1 is a multiple of R
-                write, first = jnp.mod(t + 1, r) == 0, t + 1 - r
-            q = updates[name]
-            n = q["codes"].shape[3]
-            rows = jnp.where(write, first, store.max_tokens)[:, None] + jnp.arange(n)[None, :]
+            q = getattr(updates, name)  # rows for append_positions: as many as the update carries
+            pos = store.append_start(length, r)[:, None] + jnp.arange(q.codes.shape[3], dtype=jnp.int32)[None, :]
+            rows = jnp.where(store.write_mask(pos, length, new_length, r), pos, store.max_tokens)
             stores[name] = store.write_rows(rows, q)
-            bad = bad | (write & jnp.any(q["bad"], axis=(0, 2)))
-        slot = jnp.mod(t, r)[:, None]
+        flags = capacity_flags(length, num_new, self.max_tokens)
+        flags = flags | jnp.where(jnp.any(updates.bad, axis=0), SCALE_OVERFLOW, 0).astype(jnp.int32)
         return self.replace(
             k=stores["k"],
             v=stores["v"],
-            k_ring=scatter_rows(self.k_ring, slot, updates["k_new"]),
-            v_ring=scatter_rows(self.v_ring, slot, updates["v_new"]),
-            length=t + num_new.astype(jnp.int32),
-            overflow=bad,
+            k_ring=updates.k_ring.astype(self.k_ring.dtype),
+            v_ring=updates.v_ring.astype(self.v_ring.dtype),
+            length=new_length,
+            error_flags=self.error_flags | flags,
         )
+
+    def grown(self, max_tokens: int) -> "KIVICache":
+        """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
+        self.config.check_shapes(self.k_ring.shape[-1], max_tokens)
+        return self.replace(k=self.k.grown(max_tokens), v=self.v.grown(max_tokens))
+
+
+def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array) -> jax.Array:
+    """`[batch, kv_heads, n, head_dim]`: the key or value of token `pos [batch, n]` from one layer's ring (`pos <
+    length`: slot `pos % R`) or the new tokens `new [batch, kv_heads, T, head_dim]` (`pos >= length`). Positions
+    outside both give some entry of them (never written)."""
+    r, tokens = ring.shape[2], new.shape[2]
+    both = jnp.concatenate([ring, new.astype(ring.dtype)], axis=2)  # [batch, kv_heads, R + T, head_dim]
+    idx = jnp.where(pos >= length[:, None], r + jnp.clip(pos - length[:, None], 0, tokens - 1), jnp.mod(pos, r))
+    return jnp.take_along_axis(both, idx[:, None, :, None], axis=2)
+
+
+def ring_after(ring: jax.Array, new: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
+    """One layer's ring `[batch, kv_heads, R, head_dim]` after the append: slots whose newest token `held [batch, R]`
+    is new take it from `new`, the others keep their entry."""
+    tokens = new.shape[2]
+    fresh = held >= length[:, None]  # [batch, R]
+    idx = jnp.clip(held - length[:, None], 0, tokens - 1)
+    picked = jnp.take_along_axis(new.astype(ring.dtype), idx[:, None, :, None], axis=2)
+    return jnp.where(fresh[:, None, :, None], picked, ring)
 
 
 def kivi_cache_bytes(
@@ -385,15 +423,15 @@ def kivi_cache_bytes(
         "codes": lbh * max_tokens * d * (kivi.k_bits + kivi.v_bits) // 8,
         "scales": 2 * lbh * groups * scale_bytes,  # (scale, min) for keys and values
         "ring": 2 * lbh * r * d * compute_bytes,
-        "bookkeeping": batch * (4 + 1),  # length int32 + overflow flag
+        "bookkeeping": batch * (4 + 4),  # length and error_flags, int32
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
 def full_cache_bytes(cfg: LlamaConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
-    """Bytes of a full-precision cache: keys and values in the compute dtype plus the length counter."""
-    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 4 * batch
+    """Bytes of a full-precision cache: keys and values in the compute dtype plus length and error flags."""
+    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 8 * batch
 
 
 def make_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"):

@@ -21,7 +21,7 @@ from kivi_jax import quant
 from kivi_jax.cache import make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
-from kivi_jax.models.llama import Params, forward
+from kivi_jax.models.llama import NoCache, Params, forward
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Text and windows
@@ -265,14 +265,13 @@ def ablation_markdown(rows: list[dict]) -> str:
 # Error at consumption: quantized keys and values where attention uses them (the KIVI paper's analysis)
 
 
-class _Recorder:
+class _Recorder(NoCache):
     """A stand-in cache for one prefill: full-precision causal attention, recording every layer's q, k, v."""
 
-    def __init__(self, batch: int):
-        self.length = jnp.zeros((batch,), jnp.int32)
-        self.recorded = None
+    recorded = None
 
-    def prefill_attend(self, layer, q, k, v, num_new, window):
+    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+        k = rope(k, positions)
         return causal_attention(q, k, v, num_new, window), {"q": q, "k": k, "v": v}
 
     def commit(self, updates, num_new):
@@ -285,7 +284,7 @@ def capture_qkv(params: Params, tokens: jax.Array) -> dict:
     """Real activations of a full-precision forward over `tokens [batch, tokens]`: per layer the RoPE'd queries
     `q [layers, batch, tokens, q_heads, head_dim]` and keys `k`, and values `v` `[layers, batch, tokens, kv_heads,
     head_dim]`, as attention consumes them."""
-    recorder = _Recorder(tokens.shape[0])
+    recorder = _Recorder(*tokens.shape)
     forward(params, tokens, recorder, logits_at=jnp.zeros((tokens.shape[0],), jnp.int32))
     return recorder.recorded
 

@@ -13,13 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax.cache import CacheCapacityError, make_cache
+from kivi_jax.cache import BAD_TOKEN, PAST_CAPACITY, CacheCapacityError, make_cache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import Params, forward
 
 PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
 CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)
+PREFILL_CHUNK = 512  # prompt tokens a prefill call takes (docs/benchmarks.md: chunked prefill)
 
 
 class Model(NamedTuple):
@@ -64,20 +65,64 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, last: jax.Array, last_at: jax.Array):
+    """One chunk `tokens [batch, C]` (`num_new [batch]` real) onto the cache; `last [batch, vocab]` keeps, for each
+    sequence, the logits after its last prompt token, which sits at `last_at [batch]` in this chunk (-1: elsewhere)."""
+    logits, cache = forward(params, tokens, cache, num_new=num_new, logits_at=jnp.maximum(last_at, 0))
+    return jnp.where((last_at >= 0)[:, None], logits[:, 0], last), cache
+
+
+def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK):
+    """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
+    holds, `chunk` tokens at a time (None: at once); every chunk has one shape, so one compilation serves them all.
+    Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
+    batch, n = tokens.shape
+    size = n if chunk is None or n <= chunk else check_chunk(chunk)
+    n_chunks = -(-n // size)
+    tokens = np.pad(tokens, ((0, 0), (0, n_chunks * size - n)), constant_values=params.config.pad_id)
+    lengths = np.asarray(lengths, np.int32)
+    last = jnp.zeros((batch, params.config.vocab_size), jnp.float32)
+    for c in range(n_chunks):
+        start = c * size
+        num_new = np.clip(lengths - start, 0, size).astype(np.int32)
+        last_at = np.where((lengths - 1 >= start) & (lengths - 1 < start + size), lengths - 1 - start, -1)
+        last, cache = prefill_chunk(params, jnp.asarray(tokens[:, start : start + size]), jnp.asarray(num_new), cache,
+                                    last, jnp.asarray(last_at, jnp.int32))
+    return last, cache
+
+
+def check_chunk(chunk) -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"prefill_chunk={chunk!r} must be a positive integer (tokens a prefill call takes), or None")
+    return int(chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def sample_step(logits: jax.Array, key: jax.Array, sampling: Sampling):
+    """Next tokens `[batch]` from logits `[batch, vocab]` -> (tokens, key)."""
+    key, sub = jax.random.split(key)
+    return sample_tokens(logits, sub, sampling), key
+
+
 @functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
-def prefill_step(params: Params, tokens: jax.Array, lengths: jax.Array, cache, key: jax.Array, sampling: Sampling):
-    """Prompt `tokens [batch, padded]` with `lengths [batch]` real tokens -> (first new token `[batch]`, cache, key)."""
-    logits, cache = forward(params, tokens, cache, num_new=lengths, logits_at=lengths - 1)
+def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampling: Sampling, num_new=None):
+    """One token a sequence `[batch]` (`num_new [batch]` 0 or 1: a finished sequence is left as it was) ->
+    (next token `[batch]`, cache, key)."""
+    logits, cache = forward(params, tokens[:, None], cache, num_new=num_new)
     key, sub = jax.random.split(key)
     return sample_tokens(logits[:, 0], sub, sampling), cache, key
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
-def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampling: Sampling):
-    """One token a sequence `[batch]` -> (next token `[batch]`, cache, key)."""
-    logits, cache = forward(params, tokens[:, None], cache)
-    key, sub = jax.random.split(key)
-    return sample_tokens(logits[:, 0], sub, sampling), cache, key
+def raise_flagged(cache) -> None:
+    """Raises when a cache's `error_flags` say a sequence's numbers are wrong (see kivi_jax.cache)."""
+    flags = np.asarray(cache.error_flags)
+    for bit, what in ((BAD_TOKEN, "a token id outside the vocabulary"),
+                      (PAST_CAPACITY, f"more tokens than the cache's {cache.max_tokens}")):
+        hit = np.flatnonzero(flags & bit)
+        if hit.size:
+            error = CacheCapacityError if bit == PAST_CAPACITY else ValueError
+            raise error(f"sequences {hit.tolist()} got {what}; their output is invalid")
 
 
 def _is_token_list(x) -> bool:
@@ -228,6 +273,7 @@ def start(
     max_length: int | None = None,
     attention_impl: str = "auto",
     stop_at_eos: bool = True,
+    prefill_chunk: int | None = PREFILL_CHUNK,
 ) -> Session:
     """Validates everything up front (so bad input fails before any compute) and returns the lazy step stream."""
     params, tokenizer = _unpack_model(model, tokenizer)
@@ -245,7 +291,11 @@ def start(
     max_tokens = cache_size(longest, max_new_tokens, spec, max_length, cfg)
     if spec != "full":
         spec.check_shapes(cfg.head_dim, max_tokens)
-    padded = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, max_tokens)
+    if prefill_chunk is not None:
+        check_chunk(prefill_chunk)
+    padded = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+    if prefill_chunk is None or longest <= prefill_chunk:
+        padded = min(padded, max_tokens)
     batch = len(prompts)
     tokens = np.full((batch, padded), cfg.pad_id, np.int32)
     for i, p in enumerate(prompts):
@@ -258,7 +308,8 @@ def start(
         t0 = time.perf_counter()
         kv = make_cache(spec, cfg, batch, max_tokens, params.dtype, attention_impl)
         key = jax.random.PRNGKey(seed)
-        nxt, kv, key = prefill_step(params, jnp.asarray(tokens), jnp.asarray(lengths), kv, key, sampling)
+        last, kv = prefill(params, tokens, lengths, kv, prefill_chunk)
+        nxt, key = sample_step(last, key, sampling)
         done = np.zeros(batch, bool)
         for i in range(max_new_tokens):
             host = np.asarray(nxt)
@@ -272,7 +323,9 @@ def start(
             if done.all():
                 break
             feed = jnp.asarray(np.where(done, cfg.pad_id, host).astype(np.int32))
-            nxt, kv, key = decode_step(params, feed, kv, key, sampling)
+            nxt, kv, key = decode_step(params, feed, kv, key, sampling, jnp.asarray(~done, jnp.int32))
+        result["cache"] = kv
+        raise_flagged(kv)
         if hasattr(kv, "overflow") and bool(np.any(np.asarray(kv.overflow))):
             result["overflow"] = True
             warnings.warn(
@@ -297,7 +350,8 @@ def generate(model, prompt, **kwargs) -> Generation:
     `model`: the Model from `kivi_jax.load` (or Params plus `tokenizer=`). `prompt`: text, token ids, or a list of
     either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
     `top_k`, `top_p`, `seed`, `cache` ('full', 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
-    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`.
+    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`, `prefill_chunk`
+    (prompt tokens a prefill call takes; longer prompts go in chunks of that shape; None: at once).
     """
     t0 = time.perf_counter()
     _, tokenizer = _unpack_model(model, kwargs.get("tokenizer"))

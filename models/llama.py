@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .attention import causal_attention
 from .config import LlamaConfig
-from .protocol import KVCache
+from .protocol import BAD_TOKEN, POISON, CacheCapacityError, KVCache
 
 
 @struct.dataclass
@@ -161,20 +163,55 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + rotated * sin
 
 
-class _NoCache:
-    """Stands in for a cache when scoring a whole sequence at once: attention over the given tokens only."""
+class NoCache:
+    """Stands in for a cache when scoring a whole sequence at once: attention over the given tokens only (also the
+    base of test and diagnostic stand-ins that override `attend`)."""
 
-    def __init__(self, batch: int):
+    def __init__(self, batch: int, tokens: int):
         self.length = jnp.zeros((batch,), jnp.int32)
+        self.error_flags = jnp.zeros((batch,), jnp.int32)
+        self.max_tokens = tokens
 
-    def prefill_attend(self, layer, q, k, v, num_new, window):
-        return causal_attention(q, k, v, num_new, window), None
-
-    def decode_attend(self, layer, q, k, v, window):
-        return causal_attention(q, k, v, jnp.ones(q.shape[:1], jnp.int32), window), None
+    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+        return causal_attention(q, rope(k, positions), v, num_new, window), None
 
     def commit(self, updates, num_new):
         return self
+
+    def replace(self, **changes):
+        for name, value in changes.items():
+            setattr(self, name, value)
+        return self
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced (under jit)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_inputs(tokens: jax.Array, num_new: jax.Array, cache: KVCache, vocab: int) -> jax.Array:
+    """`[batch]` bool: sequences with a real token id outside `[0, vocab)`. With concrete inputs (no jit) a bad id,
+    or more tokens than the cache holds, raises at once; traced, the caller flags the sequence instead."""
+    real = jnp.arange(tokens.shape[1])[None, :] < num_new[:, None]
+    bad = jnp.any(real & ((tokens < 0) | (tokens >= vocab)), axis=1)  # [batch]
+    bad_now, length, n = _concrete(bad), _concrete(cache.length), _concrete(num_new)
+    if bad_now is not None and bad_now.any():
+        ids = np.asarray(tokens)[np.asarray(real)]
+        wrong = sorted({int(t) for t in ids if not 0 <= t < vocab})
+        raise ValueError(f"token ids {wrong[:5]} in sequences {np.flatnonzero(bad_now).tolist()} are outside the "
+                         f"vocabulary [0, {vocab})")
+    if length is not None and n is not None:
+        over = np.flatnonzero(length + n > cache.max_tokens)
+        if over.size:
+            b = int(over[0])
+            raise CacheCapacityError(
+                f"sequence {b} holds {int(length[b])} tokens and gets {int(n[b])} more, past the cache's "
+                f"{cache.max_tokens}; allocate a larger cache (make_cache(..., max_tokens>={int(length[b] + n[b])})) "
+                "or grow it (cache.grown(max_tokens))")
+    return bad
 
 
 def forward(
@@ -184,23 +221,25 @@ def forward(
     num_new: jax.Array | None = None,
     logits_at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """Runs the decoder over `tokens [batch, tokens]` placed after what `cache` holds.
+    """Runs the decoder over `tokens [batch, T]` placed after what `cache` holds (any T, any cache state).
 
-    More than one token a sequence is a prefill and needs an empty cache; one token is a decode step. `num_new
-    [batch]` counts the real (not padding) tokens of a right-padded prefill; positions come from `cache.length`.
-    `logits_at [batch]` picks one token per sequence to score (e.g. the last real prompt token); otherwise every token
-    is scored. Returns float32 logits `[batch, tokens or 1, vocab]` and the updated cache (None when none was given).
+    `num_new [batch]` counts the real tokens of a right-padded `tokens` (default all T; 0 leaves a sequence as it
+    was); positions are `cache.length + [0, T)`. `logits_at [batch]` picks one token per sequence to score (e.g. the
+    last real one); otherwise every token is scored. Returns float32 logits `[batch, T or 1, vocab]` and the updated
+    cache (None when none was given). A sequence with an out-of-range token id, or more tokens than the cache
+    holds, gets NaN logits and a bit in `cache.error_flags` (raised at once when called outside `jit`).
     """
     cfg = params.config
     batch, n_tok = tokens.shape
     dtype = params.dtype
     given = cache
     if cache is None:
-        cache = _NoCache(batch)
-    if num_new is None:
-        num_new = jnp.full((batch,), n_tok, jnp.int32)
-    positions = cache.length[:, None] + jnp.arange(n_tok, dtype=jnp.int32)[None, :]  # [batch, tokens]
+        cache = NoCache(batch, n_tok)
+    num_new = jnp.full((batch,), n_tok, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
+    bad_tokens = check_inputs(tokens, num_new, cache, cfg.vocab_size)
+    positions = cache.length[:, None] + jnp.arange(n_tok, dtype=jnp.int32)[None, :]  # [batch, T]
     inv_freq = rope_inv_freq(cfg)
+    rope = functools.partial(apply_rope, inv_freq=inv_freq)
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def layer_step(x, xs):
@@ -209,24 +248,23 @@ def forward(
         q = (h @ lp.wq).reshape(batch, n_tok, heads, head_dim)
         k = (h @ lp.wk).reshape(batch, n_tok, kv_heads, head_dim)
         v = (h @ lp.wv).reshape(batch, n_tok, kv_heads, head_dim)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if n_tok == 1:
-            attn, update = cache.decode_attend(layer, q, k, v, cfg.sliding_window)
-        else:
-            attn, update = cache.prefill_attend(layer, q, k, v, num_new, cfg.sliding_window)
+        attn, update = cache.attend(layer, rope(q, positions), k, v, positions, rope, num_new, cfg.sliding_window)
         x = x + attn.reshape(batch, n_tok, heads * head_dim) @ lp.wo
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
         return x, update
 
-    x = params.embed[tokens].astype(dtype)  # [batch, tokens, hidden]
+    x = params.embed[jnp.clip(tokens, 0, cfg.vocab_size - 1)].astype(dtype)  # [batch, T, hidden]
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     # The cache is only read inside the loop; every layer's update comes out stacked and is written once after it.
     x, updates = jax.lax.scan(layer_step, x, (params.layers, layer_ids))
     cache = cache.commit(updates, num_new)
+    cache = cache.replace(error_flags=cache.error_flags | jnp.where(bad_tokens, BAD_TOKEN, 0).astype(jnp.int32))
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)  # [batch, 1, hidden]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     head = params.embed.T if params.lm_head is None else params.lm_head
     logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    poisoned = (cache.error_flags & POISON) != 0  # [batch]
+    logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
     return logits, (cache if given is not None else None)

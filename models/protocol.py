@@ -1,45 +1,61 @@
-"""The small protocol between a model and the cache it is handed (docs/design.md §1).
+"""The small protocol between a model and the cache it is handed (docs/design.md §1, §7).
 
-The model computes queries, keys and values for one layer and hands them to the cache; the cache answers the
-attention and returns what that layer would store; after the last layer the cache commits all layers' updates. The cache owns the attention implementation, so the same model code runs over the
-full-precision cache, the KIVI cache, or no cache at all.
+For each layer the model computes queries (already rotated), raw keys, values and their positions, and hands them
+to the cache with the rotary function; the cache rotates the keys itself (so it may store them before or after
+RoPE), answers the attention of the new tokens over what it holds plus themselves, and returns what that layer would
+store (a typed pytree). After the last layer the cache commits all layers' updates at once. The cache owns the
+attention implementation, so the same model code runs over the full-precision cache, the KIVI cache, or none.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import jax
 
 C = TypeVar("C", bound="KVCache")
 
+Rope = Callable[[jax.Array, jax.Array], jax.Array]  # (x [batch, tokens, heads, head_dim], positions [batch, tokens])
+
+# Bits of a cache's `error_flags [batch]` (sticky): what went wrong for a sequence; its logits come back NaN.
+BAD_TOKEN = 1  # a token id outside [0, vocab)
+PAST_CAPACITY = 2  # more tokens than the cache holds: the excess was not stored
+SCALE_OVERFLOW = 4  # a quantization scale or min overflowed its storage dtype (KIVI; a warning, logits stay)
+POISON = BAD_TOKEN | PAST_CAPACITY
+
+
+class CacheCapacityError(ValueError):
+    """More tokens than the cache was allocated for."""
+
 
 class KVCache(Protocol):
     """A stacked per-layer key/value store with one token counter per sequence.
 
-    Shapes: q `[batch, new_tokens, q_heads, head_dim]`, k and v `[batch, new_tokens, kv_heads, head_dim]` (after RoPE,
-    unscaled); the answer is `[batch, new_tokens, q_heads, head_dim]` in q's dtype.
+    Shapes: q `[batch, T, q_heads, head_dim]` (after RoPE, unscaled), k and v `[batch, T, kv_heads, head_dim]` (k
+    before RoPE), positions `[batch, T]` (`length + [0, T)`), num_new `[batch]` real tokens of the right-padded T
+    (0 allowed: that sequence is left as it was); the answer is `[batch, T, q_heads, head_dim]` in q's dtype.
     """
 
     length: jax.Array  # [batch] int32: tokens already in the cache per sequence
+    error_flags: jax.Array  # [batch] int32: the bits above
 
-    def prefill_attend(
-        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, num_new: jax.Array, window: int | None
-    ) -> tuple[jax.Array, Any]:
-        """Causal attention over the new tokens of an empty cache (`num_new [batch]` real tokens); returns the
-        answer and this layer's update (a pytree), which `commit` writes."""
-        ...
+    @property
+    def max_tokens(self) -> int: ...
 
-    def decode_attend(
-        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
+    def attend(
+        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, rope: Rope,
+        num_new: jax.Array, window: int | None,
     ) -> tuple[jax.Array, Any]:
-        """One new token a sequence: attends to the cache plus the new token itself; returns the answer and this
-        layer's update."""
+        """The new tokens attend to what the cache holds *as stored* plus themselves, causally, in full precision.
+        Returns the answer and this layer's update, which `commit` writes."""
         ...
 
     def commit(self: C, updates: Any, num_new: jax.Array) -> C:
-        """Writes the updates of every layer (stacked on a leading layer axis) and adds `num_new [batch]` to `length`.
+        """Writes the updates of every layer (stacked on a leading layer axis), appends `num_new [batch]` tokens
+        exactly as one-at-a-time appends would store them, and advances `length`.
 
         Layers only read the cache and `commit` writes it once after the layer loop, so XLA updates the donated
         buffers in place."""
         ...
+
+    def replace(self: C, **changes) -> C: ...

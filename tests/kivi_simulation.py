@@ -13,25 +13,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kivi_jax import layout
 from kivi_jax.config import KIVIConfig
 from kivi_jax.evaluate import fake_quant
+from kivi_jax.models.llama import NoCache
 from kivi_jax.quant import SCALE_DTYPES
 
 
 def quantized_before(axis: str, query: jax.Array, key: jax.Array, prefill: int, residual: int) -> jax.Array:
     """`[queries, keys]` bool: when query `i` is decoded, key position `t` is read from a store on `axis`."""
-    end = (query // residual) * residual if axis == "channel" else jnp.maximum(query - residual, 0)
+    end = layout.quantized_end(axis, query, residual)
     return (query >= prefill) & (key < end)
 
 
-class SimulatedKIVI:
+class SimulatedKIVI(NoCache):
     """Stands in for a cache in `models.llama.forward` over whole windows `[batch, prefill + decode]`."""
 
-    def __init__(self, batch: int, prefill: int, kivi: KIVIConfig):
-        self.length = jnp.zeros((batch,), jnp.int32)
+    def __init__(self, batch: int, tokens: int, prefill: int, kivi: KIVIConfig):
+        super().__init__(batch, tokens)
         self.prefill, self.kivi = prefill, kivi
 
-    def prefill_attend(self, layer, q, k, v, num_new, window):
+    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+        k = rope(k, positions)
         kivi = self.kivi
         batch, tokens, q_heads, d = q.shape
         kv_heads = k.shape[2]
@@ -58,9 +61,6 @@ class SimulatedKIVI:
         out += jnp.einsum("bhrqk,bhkd->bqhrd", jnp.where(use_vq, p, 0.0), vq - v, precision="highest")
         return out.reshape(batch, tokens, q_heads, d).astype(q.dtype), None
 
-    def commit(self, updates, num_new):
-        return self
-
 
 def simulated_nll(params, windows: jax.Array, prefill: int, kivi: KIVIConfig | None) -> jax.Array:
     """Per scored token `[windows, decode]` NLL of the protocol, by one forward pass (`kivi=None`: no quantization)."""
@@ -68,7 +68,7 @@ def simulated_nll(params, windows: jax.Array, prefill: int, kivi: KIVIConfig | N
 
     windows = jnp.asarray(windows, jnp.int32)
     tokens = windows[:, :-1]
-    cache = None if kivi is None else SimulatedKIVI(windows.shape[0], prefill, kivi)
+    cache = None if kivi is None else SimulatedKIVI(*tokens.shape, prefill, kivi)
     logits, _ = forward(params, tokens, cache)
     logp = jax.nn.log_softmax(logits[:, prefill:], axis=-1)  # predictions of tokens prefill + 1 ...
     return -jnp.take_along_axis(logp, windows[:, prefill + 1 :, None], axis=-1)[..., 0]

@@ -35,19 +35,20 @@ def stack(updates):
 
 
 @jax.jit
+def append_tokens(cache: KIVICache, k, v, num_new):
+    """Appends `k, v [layers, batch, kv_heads, T, head_dim]` (`num_new [batch]` real) through the cache protocol."""
+    ups = [cache.append_update(cache.k_ring[l], cache.v_ring[l], k[l], v[l], num_new) for l in range(k.shape[0])]
+    return cache.commit(stack(ups), num_new)
+
+
 def append(cache: KIVICache, k, v):
-    """Appends one token per sequence, `k, v [layers, batch, kv_heads, head_dim]`, through the cache protocol."""
-    ups = [cache.append_update(cache.k_ring[l], cache.v_ring[l], k[l], v[l]) for l in range(k.shape[0])]
-    return cache.commit(stack(ups), jnp.ones_like(cache.length))
+    """Appends one token per sequence, `k, v [layers, batch, kv_heads, head_dim]`."""
+    return append_tokens(cache, k[:, :, :, None], v[:, :, :, None], jnp.ones_like(cache.length))
 
 
-@jax.jit
 def prefill(cache: KIVICache, k, v, num_new):
     """Fills an empty cache with `k, v [layers, batch, kv_heads, tokens, head_dim]` of `num_new [batch]` tokens."""
-    mask = (jnp.arange(k.shape[3])[None, :] < num_new[:, None])[None, :, None, :, None]
-    k, v = jnp.where(mask, k, 0), jnp.where(mask, v, 0)
-    ups = [cache.prompt_update(k[l], v[l], num_new) for l in range(k.shape[0])]
-    return cache.commit(stack(ups), num_new)
+    return append_tokens(cache, k, v, num_new)
 
 
 def leaves_equal(a, b):
@@ -67,10 +68,10 @@ def test_streaming_appends_equal_one_shot_quantization(kivi):
         end = int(store.quantized_end(cache.length, R)[0])
         assert end == (3 * R if store.axis == "channel" else n - R)
         q = store.quantize(x[:, :, :, :end])
-        np.testing.assert_array_equal(np.asarray(store.codes[:, :, :, :end]), np.asarray(q["codes"]))
+        np.testing.assert_array_equal(np.asarray(store.codes[:, :, :, :end]), np.asarray(q.codes))
         rows = end // G if store.axis == "channel" else end
-        np.testing.assert_array_equal(np.asarray(store.scale[:, :, :, :rows]), np.asarray(q["scale"]))
-        np.testing.assert_array_equal(np.asarray(store.mn[:, :, :, :rows]), np.asarray(q["mn"]))
+        np.testing.assert_array_equal(np.asarray(store.scale[:, :, :, :rows]), np.asarray(q.scale))
+        np.testing.assert_array_equal(np.asarray(store.mn[:, :, :, :rows]), np.asarray(q.mn))
         assert not np.asarray(store.codes[:, :, :, end:]).any()  # nothing beyond the quantized end
     slots = np.arange(n - R, n) % R
     np.testing.assert_array_equal(np.asarray(cache.k_ring)[:, :, :, slots], np.asarray(k[:, :, :, n - R:]))

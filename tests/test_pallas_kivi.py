@@ -45,7 +45,7 @@ def random_cache(kivi: KIVIConfig, batch, kv_heads, head_dim, max_tokens, length
 
     @jax.jit
     def fill(cache, k, v):
-        ups = [cache.prompt_update(k[l], v[l], num_new) for l in range(layers)]
+        ups = [cache.append_update(cache.k_ring[l], cache.v_ring[l], k[l], v[l], num_new) for l in range(layers)]
         return cache.commit(jax.tree_util.tree_map(lambda *x: jnp.stack(x), *ups), num_new)
 
     return fill(cache, k, v)

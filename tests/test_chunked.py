@@ -1,0 +1,187 @@
+"""Any number of new tokens onto any cache (docs/design.md §7): chunked feeding equals transformers, KIVI stores
+equal one-at-a-time appends bit for bit, a chunk's attention equals a dense reference of what is stored."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_CONFIGS, TINY_VOCAB, hf_logits
+from kivi_jax import attention
+from kivi_jax.cache import FullCache, KIVICache, make_cache
+from kivi_jax.checkpoint import load_hf
+from kivi_jax.config import KIVIConfig
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import forward
+from reference import one_layer, seen_tensor
+from test_kivi_cache import CFG, append_tokens, leaves_equal, random_kv
+
+TOL = 1e-4
+SEQ = 40  # longer than the Mistral window (11)
+step = jax.jit(forward, donate_argnames=("cache",))
+
+
+def feed(params, cache, tokens: np.ndarray, lengths: np.ndarray, chunks: list[list[int]]):
+    """Feeds right-padded `tokens [batch, n]` chunk by chunk: `chunks[c][b]` new tokens of sequence b in call c (0
+    allowed); returns the logits of every fed token `[batch, n, vocab]` (NaN where never fed) and the cache."""
+    batch, n = tokens.shape
+    width = max(max(c) for c in chunks)
+    out = np.full((batch, n, params.config.vocab_size), np.nan, np.float32)
+    done = np.zeros(batch, int)
+    for counts in chunks:
+        block = np.zeros((batch, width), np.int32)
+        for b, k in enumerate(counts):
+            block[b, :k] = tokens[b, done[b] : done[b] + k]
+        logits, cache = step(params, jnp.asarray(block), cache, jnp.asarray(counts, jnp.int32))
+        for b, k in enumerate(counts):
+            out[b, done[b] : done[b] + k] = np.asarray(logits[b, :k])
+        done += counts
+    assert (done == lengths).all()
+    return out, cache
+
+
+def fixed_chunks(lengths, size):
+    """Every sequence fed `size` tokens a call until it runs out (then 0s)."""
+    lengths = np.asarray(lengths)
+    calls = -(-lengths.max() // size)
+    return [np.clip(lengths - c * size, 0, size).tolist() for c in range(calls)]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_window"])
+def test_full_cache_in_any_chunks_matches_transformers(tiny_dirs, name):
+    path, model = tiny_dirs[name]
+    params = load_hf(path)
+    rng = np.random.RandomState(7)
+    lengths = np.array([SEQ, 29, 17])  # ragged: the shorter ones run out early and get num_new 0
+    tokens = rng.randint(3, TINY_VOCAB, (3, SEQ)).astype(np.int32)
+    refs = [hf_logits(model, tokens[b : b + 1, :n])[0] for b, n in enumerate(lengths)]
+    random_chunks = []
+    done = np.zeros(3, int)
+    while (done < lengths).any():
+        counts = np.minimum(rng.randint(0, 9, 3), lengths - done)
+        random_chunks.append(counts.tolist())
+        done += counts
+    for chunks in (fixed_chunks(lengths, 1), fixed_chunks(lengths, 7), fixed_chunks(lengths, 64), random_chunks):
+        logits, cache = feed(params, FullCache.create(params.config, 3, 64), tokens, lengths, chunks)
+        assert cache.length.tolist() == lengths.tolist()
+        for b, n in enumerate(lengths):
+            assert np.abs(logits[b, :n] - refs[b]).max() <= TOL, (name, chunks[:2])
+
+
+def test_prefill_then_a_multi_token_forward_gives_the_right_logits(tiny_dirs):
+    """The misuse of the old API (prefill 8 tokens, then forward 4 more) is now simply an append."""
+    path, model = tiny_dirs["llama_mha"]
+    params = load_hf(path)
+    tokens = np.random.RandomState(8).randint(3, TINY_VOCAB, (1, 12)).astype(np.int32)
+    ref = hf_logits(model, tokens)
+    for spec in ("full", "kivi2"):
+        cache = make_cache(spec, params.config, 1, 128)
+        _, cache = forward(params, jnp.asarray(tokens[:, :8]), cache)
+        logits, cache = forward(params, jnp.asarray(tokens[:, 8:]), cache)
+        assert int(cache.length[0]) == 12
+        # inside the residual KIVI holds everything in full precision, so both caches equal transformers
+        assert np.abs(np.asarray(logits) - ref[:, 8:]).max() <= TOL, spec
+
+
+R = 32
+KIVI = KIVIConfig(2, 2, 16, R)
+
+
+@pytest.mark.parametrize("kivi", [KIVI, KIVIConfig(4, 2, 16, R), KIVIConfig(2, 2, 16, R, "token", "channel")])
+def test_kivi_stores_are_bit_identical_to_one_token_appends_in_any_chunking(kivi):
+    batch, n_max = 3, 3 * R + 5
+    lengths = np.array([R - 1, R + 1, 3 * R + 5])  # and R itself is crossed on the way
+    k, v = random_kv(11, batch, n_max)
+    one_by_one = KIVICache.create(CFG, kivi, batch, 4 * R)
+    for t in range(n_max):
+        live = jnp.asarray((t < lengths).astype(np.int32))
+        one_by_one = append_tokens(one_by_one, k[:, :, :, t : t + 1], v[:, :, :, t : t + 1], live)
+    assert one_by_one.length.tolist() == lengths.tolist()
+    rng = np.random.RandomState(12)
+    for trial in range(3):
+        cache, done = KIVICache.create(CFG, kivi, batch, 4 * R), np.zeros(batch, int)
+        width = [5, R, 2 * R + 3][trial]  # chunk widths below, at and above R (one compilation each)
+        while (done < lengths).any():
+            counts = np.minimum(rng.randint(0, width + 1, batch), lengths - done)
+            idx = np.minimum(done[:, None] + np.arange(width)[None, :], n_max - 1)  # [batch, width]
+            take = lambda x: jnp.asarray(np.take_along_axis(np.asarray(x), idx[None, :, None, :, None], axis=3))
+            cache = append_tokens(cache, take(k), take(v), jnp.asarray(counts, jnp.int32))
+            done += counts
+        leaves_equal(cache, one_by_one)
+
+
+def dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window=None):
+    """A chunk's attention, the obvious way: dequantize what is stored (the ring above the quantized ends), put the
+    chunk's own keys and values after it in full precision, causal softmax per query. q `[batch, T, q_heads, D]`."""
+    r = cache.config.residual_length
+    k = seen_tensor(one_layer(cache.k, layer), cache.k_ring[layer], cache.length, r)  # [batch, kv_heads, max, D]
+    v = seen_tensor(one_layer(cache.v, layer), cache.v_ring[layer], cache.length, r)
+    batch, tokens, q_heads, d = q.shape
+    stored = k.shape[2]
+    k = jnp.concatenate([k, jnp.moveaxis(k_new, 1, 2).astype(jnp.float32)], axis=2)
+    v = jnp.concatenate([v, jnp.moveaxis(v_new, 1, 2).astype(jnp.float32)], axis=2)
+    idx = jnp.arange(stored + tokens)[None, :]
+    length = cache.length[:, None]
+    pos = jnp.where(idx < stored, idx, length + idx - stored)  # [batch, stored + T]
+    qg = q.astype(jnp.float32).reshape(batch, tokens, k.shape[1], -1, d) / jnp.sqrt(jnp.float32(d))
+    outs = []
+    for i in range(tokens):
+        valid = jnp.where(idx < stored, idx < length, (idx - stored <= i) & (idx - stored < num_new[:, None]))
+        if window is not None:
+            valid &= length + i - pos < window
+        scores = jnp.einsum("bhrd,bhtd->bhrt", qg[:, i], k, precision="highest")
+        p = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bhrt,bhtd->bhrd", p, v, precision="highest").reshape(batch, 1, q_heads, d))
+    return jnp.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("kivi, window", [(KIVI, None), (KIVIConfig(4, 2, 16, R), 23),
+                                          (KIVIConfig(2, 2, 16, R, "token", "channel"), None)])
+def test_chunk_attention_equals_a_dense_reference_of_what_is_stored(kivi, window):
+    batch, tokens = 2, 5
+    k, v = random_kv(13, batch, 4 * R)
+    rng = np.random.RandomState(14)
+    cache = append_tokens(KIVICache.create(CFG, kivi, batch, 5 * R), k, v, jnp.asarray([R + 9, 3 * R + 2]))
+    num_new = jnp.asarray([tokens, 3])  # ragged: the second sequence has two padded queries
+    q = jnp.asarray(rng.randn(batch, tokens, CFG.num_heads, CFG.head_dim).astype(np.float32))
+    k_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    v_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    positions = cache.length[:, None] + jnp.arange(tokens)[None, :]
+    for layer in range(CFG.num_layers):
+        ref = dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window)
+        for block in (16, 48, 512):
+            ours = attention.attend_kivi_xla(q, positions, cache.k, cache.v, layer, cache.k_ring[layer],
+                                             cache.v_ring[layer], cache.length, k_new, v_new, num_new, window, block)
+            real = np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None])  # padded queries: any finite answer
+            assert np.isfinite(np.asarray(ours)).all()
+            assert np.abs(np.asarray(ours - ref))[real].max() <= 1e-5, (layer, block)
+
+
+def test_a_sequence_given_no_new_tokens_is_left_exactly_as_it_was():
+    k, v = random_kv(15, 2, 2 * R)
+    cache = append_tokens(KIVICache.create(CFG, KIVI, 2, 4 * R), k, v, jnp.asarray([R + 3, R + 7]))
+    after = append_tokens(cache, k[:, :, :, :4], v[:, :, :, :4], jnp.asarray([0, 4]))
+    row0 = lambda c: jax.tree_util.tree_map(lambda x: x[:1] if x.ndim == 1 else x[:, :1], c)
+    leaves_equal(row0(after), row0(cache))
+    assert after.length.tolist() == [R + 3, R + 11]
+
+
+def test_writes_past_capacity_and_bad_token_ids_never_give_silent_numbers():
+    from kivi_jax.cache import BAD_TOKEN, PAST_CAPACITY, CacheCapacityError
+    from kivi_jax.models.llama import init_params
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=32)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"token ids \[64\] in sequences \[1\] are outside the vocabulary \[0, 64\)"):
+        forward(params, jnp.asarray([[1, 2], [3, 64]]), make_cache("full", cfg, 2, 32))
+    with pytest.raises(CacheCapacityError, match="sequence 0 holds 0 tokens and gets 40 more, past the cache's 32"):
+        forward(params, jnp.zeros((1, 40), jnp.int32), make_cache("full", cfg, 1, 32))
+    # under jit the values are traced: the sequence is flagged and its logits are NaN, the others untouched
+    for spec in ("full", "k2v2-g16-r32"):
+        logits, cache = step(params, jnp.asarray([[1, 2], [3, -1]]), make_cache(spec, cfg, 2, 32))
+        assert cache.error_flags.tolist() == [0, BAD_TOKEN]
+        assert np.isfinite(np.asarray(logits[0])).all() and np.isnan(np.asarray(logits[1])).all()
+        logits, cache = step(params, jnp.zeros((2, 31), jnp.int32), cache, jnp.asarray([31, 1]))  # 2 + 31 > 32
+        assert cache.error_flags.tolist() == [PAST_CAPACITY, BAD_TOKEN]
+        assert np.isnan(np.asarray(logits)).all()
