@@ -16,6 +16,8 @@ if not (_here / "models").is_dir() and (_here.parent / "models" / "llama.py").is
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from kivi_jax.cache import CacheCapacityError, FullCache, KIVICache, make_cache
+from kivi_jax.cache_io import restore_cache, save_cache
+from kivi_jax.chat import Chat, ConversationFullError
 from kivi_jax.checkpoint import CheckpointError, convert, restore, save
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.generate import Generation, Model, Sampling, generate, stream
@@ -52,7 +54,9 @@ def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True) -> Mo
 
 __all__ = [
     "CacheCapacityError",
+    "Chat",
     "CheckpointError",
+    "ConversationFullError",
     "FullCache",
     "Generation",
     "KIVICache",
@@ -72,6 +76,8 @@ __all__ = [
     "make_cache",
     "parse_cache_spec",
     "restore",
+    "restore_cache",
     "save",
+    "save_cache",
     "stream",
 ]

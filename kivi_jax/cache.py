@@ -105,6 +105,11 @@ class FullCache:
     def spec(self) -> str:
         return "full"
 
+    @property
+    def dtype(self):
+        """The compute dtype the cache holds keys and values in."""
+        return self.k.dtype
+
     def attend(self, layer, q, k, v, positions, rope, num_new, window):
         """New tokens' attention over this layer (keys rotated here, then stored after RoPE) and their rows."""
         k = rope(k, positions).astype(self.k.dtype)
@@ -327,6 +332,11 @@ class KIVICache:
     @property
     def spec(self) -> str:
         return self.config.spec
+
+    @property
+    def dtype(self):
+        """The compute dtype of the ring (and of attention's full-precision part)."""
+        return self.k_ring.dtype
 
     @property
     def overflow(self) -> jax.Array:

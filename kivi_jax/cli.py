@@ -1,4 +1,4 @@
-"""`kivi-jax generate | convert | eval | bench`."""
+"""`kivi-jax generate | chat | convert | eval | bench`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,23 @@ def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
                         "in interpret mode, slowly)")
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature is given)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens a prefill call takes; longer prompts go in chunks (default 512)")
+
+
+def sampling_from_args(args) -> dict:
+    """The sampling keywords of generate / Chat from the shared flags."""
+    temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
+    return dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                prefill_chunk=args.prefill_chunk)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default; fetched and converted once) or a path: HF directory, .gguf, kivi_jax checkpoint")
@@ -60,7 +77,6 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
     load_s = time.perf_counter() - t0
-    temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
     spec = cache_from_args(args)
     t1 = time.perf_counter()
     session = start(
@@ -68,10 +84,7 @@ def cmd_generate(args) -> int:
         args.prompt,
         max_new_tokens=args.max_new_tokens,
         chat=args.chat,
-        temperature=temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+        **sampling_from_args(args),
         cache=spec,
         max_length=args.max_length,
         attention_impl=args.attention_impl,
@@ -106,6 +119,62 @@ def cmd_generate(args) -> int:
             sys.stdout.write(" ".join(map(str, ids)))
         sys.stdout.write("\n")
     return 0
+
+
+CHAT_HELP = "/reset  forget the conversation\n/save PATH  save it (and its cache)\n/load PATH  continue a saved one\n" \
+            "/stats  tokens and bytes in the cache\n/exit  leave (or EOF, Ctrl-D)"
+
+
+def cmd_chat(args) -> int:
+    import kivi_jax
+    from kivi_jax.chat import Chat
+
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=True)
+    chat = Chat(model, cache_from_args(args), system=args.system, max_new_tokens=args.max_new_tokens,
+                max_length=args.max_length, attention_impl=args.attention_impl, **sampling_from_args(args))
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:  # EOF
+            if interactive:
+                sys.stdout.write("\n")
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            command, _, rest = line.partition(" ")
+            rest = rest.strip()
+            if command == "/exit":
+                return 0
+            if command == "/reset":
+                chat.reset()
+                print("(conversation reset)")
+            elif command in ("/save", "/load") and not rest:
+                print(f"{command} needs a path, e.g. {command} conversation.kivi", file=sys.stderr)
+            elif command == "/save":
+                chat.save(rest)
+                print(f"(saved to {rest})")
+            elif command == "/load":
+                chat.load(rest)
+                print(f"(loaded {rest}: {chat.turns} turns)")
+            elif command == "/stats":
+                print(json.dumps(chat.stats()))
+            elif command == "/help":
+                print(CHAT_HELP)
+            else:
+                print(f"unknown command {command}; the commands are:\n{CHAT_HELP}", file=sys.stderr)
+            continue
+        if interactive:
+            sys.stdout.write("bot> ")
+        for piece in chat.stream(line):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def cmd_convert(args) -> int:
@@ -333,14 +402,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--max-length", type=int, default=None, help="cache size in tokens (default: prompt + new, rounded up)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature is given)")
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_cache_args(g)
     g.set_defaults(func=cmd_generate)
+
+    ch = sub.add_parser(
+        "chat", help="a conversation on a live cache: each turn appends only its new tokens",
+        description="A REPL: type a message, the reply streams back; the cache keeps the conversation, so a turn "
+                    "prefills only its own tokens. Commands: /reset, /save PATH, /load PATH, /stats, /help, /exit. "
+                    "Reads piped stdin too (one message a line).")
+    add_model_args(ch)
+    ch.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    ch.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply (default 256)")
+    ch.add_argument("--max-length", type=int, default=None,
+                    help="initial cache size in tokens (default 1024; it grows as the conversation does)")
+    add_sampling_args(ch)
+    add_cache_args(ch)
+    ch.set_defaults(func=cmd_chat)
 
     c = sub.add_parser("convert", help="convert an HF directory or GGUF file (or 'smollm2') into a kivi_jax checkpoint")
     c.add_argument("src", help="HF model directory, .gguf file, or a known model name")

@@ -75,10 +75,13 @@ def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, 
 
 def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK):
     """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
-    holds, `chunk` tokens at a time (None: at once); every chunk has one shape, so one compilation serves them all.
+    holds, `chunk` tokens at a time (None: at once); every chunk has one shape (n rounded up to PROMPT_BUCKET, at
+    most `chunk`), so one compilation serves them all.
     Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
     batch, n = tokens.shape
-    size = n if chunk is None or n <= chunk else check_chunk(chunk)
+    size = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET  # whole buckets, so similar prompts share one compilation
+    if chunk is not None:
+        size = min(size, check_chunk(chunk))
     n_chunks = -(-n // size)
     tokens = np.pad(tokens, ((0, 0), (0, n_chunks * size - n)), constant_values=params.config.pad_id)
     lengths = np.asarray(lengths, np.int32)
@@ -293,11 +296,8 @@ def start(
         spec.check_shapes(cfg.head_dim, max_tokens)
     if prefill_chunk is not None:
         check_chunk(prefill_chunk)
-    padded = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
-    if prefill_chunk is None or longest <= prefill_chunk:
-        padded = min(padded, max_tokens)
     batch = len(prompts)
-    tokens = np.full((batch, padded), cfg.pad_id, np.int32)
+    tokens = np.full((batch, longest), cfg.pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)

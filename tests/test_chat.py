@@ -1,0 +1,120 @@
+"""Multi-turn chat on a live cache, cache save/restore, and the `kivi-jax chat` REPL."""
+
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import kivi_jax
+from kivi_jax.chat import Chat, ConversationFullError
+from kivi_jax.checkpoint import CheckpointError
+
+# A template whose rendering of the history extends what the cache holds (as real chat templates do).
+TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    m = kivi_jax.load(str(tiny_dirs["llama_gqa_llama3"][0]))
+    m.tokenizer.chat_template = TEMPLATE
+    return m
+
+
+def test_turn_two_appended_to_the_kept_cache_equals_prefilling_both_turns_at_once(model):
+    chat = Chat(model, cache="full", max_new_tokens=12)
+    chat.send("hello there")
+    held = len(chat.ids)
+    chat.send("and again")
+    assert chat.reprefills == 0 and chat.last_turn["new_tokens"] == len(chat.ids) - held - len(
+        chat.last_turn["reply_ids"])  # only turn 2's own tokens were prefilled
+    reply = chat.last_turn["reply_ids"]
+    prefix = chat.ids[: len(chat.ids) - len(reply)]
+    once = kivi_jax.generate(model, prefix, max_new_tokens=len(reply) + 1, cache="full")
+    assert len(reply) >= 4 and once.token_ids[: len(reply)] == reply
+
+
+def test_a_turn_that_overflows_grows_the_cache_with_the_same_numbers(model):
+    small = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10, max_length=32)
+    big = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10, max_length=512)
+    for text in ("a fairly long first message to fill things", "and a second one"):
+        assert small.send(text) == big.send(text)
+    assert small.cache.max_tokens > 32 and small.ids == big.ids
+    stats = small.stats()
+    assert stats["tokens"] == len(small.ids) and stats["keys_quantized"] == len(small.ids) // 32 * 32
+    assert stats["cache_bytes"] < stats["full_precision_bytes"]
+
+
+def test_past_the_model_positions_the_conversation_is_full(model):
+    chat = Chat(model, cache="full", max_new_tokens=8)
+    with pytest.raises(ConversationFullError, match=r"the conversation is full: it holds 0 tokens and this turn "
+                                                     r"needs up to \d+ more .* past the 512 positions"):
+        chat.send("x" * 600)
+
+
+def test_save_restore_continues_exactly_and_mismatches_say_what_differs(model, tiny_dirs, tmp_path):
+    straight = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10)
+    straight.send("remember this sentence please")
+    saved = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10)
+    saved.send("remember this sentence please")
+    saved.save(tmp_path / "c")
+    resumed = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10)
+    resumed.load(tmp_path / "c")
+    assert resumed.send("what was it") == straight.send("what was it") and resumed.ids == straight.ids
+
+    with pytest.raises(CheckpointError, match=r"holds a 'k2v2-g16-r32' cache, not 'full'"):
+        Chat(model, cache="full").load(tmp_path / "c")
+    other = kivi_jax.load(str(tiny_dirs["llama_mha"][0]))
+    with pytest.raises(CheckpointError, match=r"belongs to another model: its config differs in num_kv_heads"):
+        kivi_jax.restore_cache(tmp_path / "c", other.params)
+    with pytest.raises(CheckpointError, match="already exists"):
+        saved.save(tmp_path / "c")
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "c", broken)
+    meta = json.loads((broken / "cache.json").read_text())
+    meta["sha256"][next(iter(meta["sha256"]))] = "0" * 64
+    (broken / "cache.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        kivi_jax.restore_cache(broken, model.params)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tmp_path / "c", truncated)
+    for f in sorted((truncated / "arrays").rglob("*")):
+        if f.is_file() and f.stat().st_size > 64:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        kivi_jax.restore_cache(truncated, model.params)
+    (broken / "cache.json").unlink()
+    with pytest.raises(CheckpointError, match="is not a kivi_jax cache save"):
+        kivi_jax.restore_cache(broken, model.params)
+
+
+def test_the_chat_repl_reads_piped_stdin(model, tiny_dirs, tmp_path, monkeypatch, capsys):
+    from kivi_jax import cli
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_dirs["llama_gqa_llama3"][0], path)
+    model.tokenizer.save_pretrained(str(path))  # with the test template
+    script = f"hi\n/stats\n/save {tmp_path / 's'}\n/nonsense\n/reset\n/stats\nagain\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    assert cli.main(["chat", "--model", str(path), "--cache", "full", "--max-new-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    stats = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert stats[0]["turns"] == 1 and stats[0]["tokens"] > 0 and stats[1]["tokens"] == 0
+    assert "(conversation reset)" in out and "unknown command /nonsense" in err
+    assert (tmp_path / "s" / "cache.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_real_model_recalls_a_fact_from_turn_one_through_a_kivi2_cache():
+    from kivi_jax.evaluate import default_text
+
+    model = kivi_jax.load("smollm2")
+    background = default_text()[20000:21500]  # enough text that turn 1 runs past the 128-token residual
+    chat = Chat(model, cache="kivi2", max_new_tokens=24)
+    chat.send(f"My name is Ada and my favourite fruit is the mango. Here is some text to read:\n{background}\n"
+              "Just say OK.")
+    assert chat.stats()["keys_quantized"] >= 256  # the fact now lives in 2-bit codes
+    answer = chat.send("What is my favourite fruit? Answer in one word.")
+    assert "mango" in answer.lower(), answer
