@@ -79,7 +79,9 @@ def split_parts(x: jax.Array, dtype) -> list[jax.Array]:
 
 
 def segment_bounds(length, residual: int, window: int | None):
-    """Per sequence: (first visible token, end of the both-quantized segment), docs/design.md §2's token ranges."""
+    """Per sequence: (first visible token, end of the both-quantized segment), docs/design.md §2's token ranges.
+    pallas_kernels imports nothing of ours: this and `ring_slot_tokens` mirror kivi_jax/layout.py inside the kernel,
+    and tests/test_layout.py holds them equal."""
     main_end = jnp.maximum(length - residual, 0)  # = min(keys' (len // R) * R, values' max(len - R, 0))
     lo = jnp.zeros_like(length) if window is None else jnp.maximum(length - window + 1, 0)
     return lo, main_end
