@@ -127,7 +127,7 @@ CHAT_HELP = "/reset  forget the conversation\n/save PATH  save it (and its cache
 
 def cmd_chat(args) -> int:
     import kivi_jax
-    from kivi_jax.chat import Chat
+    from kivi_jax.chat import Chat, ConversationFullError
 
     model = kivi_jax.load(args.model, _dtype(args.dtype), progress=True)
     chat = Chat(model, cache_from_args(args), system=args.system, max_new_tokens=args.max_new_tokens,
@@ -155,12 +155,13 @@ def cmd_chat(args) -> int:
                 print("(conversation reset)")
             elif command in ("/save", "/load") and not rest:
                 print(f"{command} needs a path, e.g. {command} conversation.kivi", file=sys.stderr)
-            elif command == "/save":
-                chat.save(rest)
-                print(f"(saved to {rest})")
-            elif command == "/load":
-                chat.load(rest)
-                print(f"(loaded {rest}: {chat.turns} turns)")
+            elif command in ("/save", "/load"):
+                try:
+                    chat.save(rest) if command == "/save" else chat.load(rest)
+                except (ValueError, OSError) as e:  # a bad path or save: say so, keep the conversation
+                    print(f"kivi-jax: {e}", file=sys.stderr)
+                    continue
+                print(f"(saved to {rest})" if command == "/save" else f"(loaded {rest}: {chat.turns} turns)")
             elif command == "/stats":
                 print(json.dumps(chat.stats()))
             elif command == "/help":
@@ -170,9 +171,12 @@ def cmd_chat(args) -> int:
             continue
         if interactive:
             sys.stdout.write("bot> ")
-        for piece in chat.stream(line):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for piece in chat.stream(line):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except ConversationFullError as e:  # the conversation goes on being usable: /save, /reset
+            print(f"kivi-jax: {e}", file=sys.stderr)
         sys.stdout.write("\n")
         sys.stdout.flush()
 

@@ -192,12 +192,19 @@ def _concrete(x):
         return None
 
 
-def check_inputs(tokens: jax.Array, num_new: jax.Array, cache: KVCache, vocab: int) -> jax.Array:
-    """`[batch]` bool: sequences with a real token id outside `[0, vocab)`. With concrete inputs (no jit) a bad id,
-    or more tokens than the cache holds, raises at once; traced, the caller flags the sequence instead."""
-    real = jnp.arange(tokens.shape[1])[None, :] < num_new[:, None]
-    bad = jnp.any(real & ((tokens < 0) | (tokens >= vocab)), axis=1)  # [batch]
-    bad_now, length, n = _concrete(bad), _concrete(cache.length), _concrete(num_new)
+def check_inputs(tokens: jax.Array, num_new: jax.Array, logits_at, cache: KVCache, vocab: int) -> jax.Array:
+    """`[batch]` bool: sequences given bad input (a real token id outside `[0, vocab)`, `num_new` outside `[0, T]`).
+    With concrete inputs (no jit) bad input, or more tokens than the cache holds, raises at once; traced, the
+    caller flags the sequence instead."""
+    n_tok = tokens.shape[1]
+    real = jnp.arange(n_tok)[None, :] < num_new[:, None]
+    bad = jnp.any(real & ((tokens < 0) | (tokens >= vocab)), axis=1) | (num_new < 0) | (num_new > n_tok)  # [batch]
+    length, n, at = _concrete(cache.length), _concrete(num_new), None if logits_at is None else _concrete(logits_at)
+    if n is not None and ((n < 0) | (n > n_tok)).any():
+        raise ValueError(f"num_new={n.tolist()} must count real tokens of each sequence, between 0 and {n_tok}")
+    if at is not None and ((at < 0) | (at >= n_tok)).any():
+        raise ValueError(f"logits_at={at.tolist()} must pick a token index in [0, {n_tok})")
+    bad_now = _concrete(bad)
     if bad_now is not None and bad_now.any():
         ids = np.asarray(tokens)[np.asarray(real)]
         wrong = sorted({int(t) for t in ids if not 0 <= t < vocab})
@@ -236,7 +243,8 @@ def forward(
     if cache is None:
         cache = NoCache(batch, n_tok)
     num_new = jnp.full((batch,), n_tok, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
-    bad_tokens = check_inputs(tokens, num_new, cache, cfg.vocab_size)
+    bad_tokens = check_inputs(tokens, num_new, logits_at, cache, cfg.vocab_size)
+    num_new = jnp.clip(num_new, 0, n_tok)
     positions = cache.length[:, None] + jnp.arange(n_tok, dtype=jnp.int32)[None, :]  # [batch, T]
     inv_freq = rope_inv_freq(cfg)
     rope = functools.partial(apply_rope, inv_freq=inv_freq)

@@ -18,7 +18,7 @@ C = TypeVar("C", bound="KVCache")
 Rope = Callable[[jax.Array, jax.Array], jax.Array]  # (x [batch, tokens, heads, head_dim], positions [batch, tokens])
 
 # Bits of a cache's `error_flags [batch]` (sticky): what went wrong for a sequence; its logits come back NaN.
-BAD_TOKEN = 1  # a token id outside [0, vocab)
+BAD_TOKEN = 1  # bad input: a token id outside [0, vocab), or num_new outside [0, T]
 PAST_CAPACITY = 2  # more tokens than the cache holds: the excess was not stored
 SCALE_OVERFLOW = 4  # a quantization scale or min overflowed its storage dtype (KIVI; a warning, logits stay)
 POISON = BAD_TOKEN | PAST_CAPACITY

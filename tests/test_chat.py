@@ -96,13 +96,14 @@ def test_the_chat_repl_reads_piped_stdin(model, tiny_dirs, tmp_path, monkeypatch
     path = tmp_path / "m"
     shutil.copytree(tiny_dirs["llama_gqa_llama3"][0], path)
     model.tokenizer.save_pretrained(str(path))  # with the test template
-    script = f"hi\n/stats\n/save {tmp_path / 's'}\n/nonsense\n/reset\n/stats\nagain\n"
+    script = f"hi\n/stats\n/save {tmp_path / 's'}\n/load {tmp_path / 'nowhere'}\n/nonsense\n/reset\n/stats\nagain\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     assert cli.main(["chat", "--model", str(path), "--cache", "full", "--max-new-tokens", "5"]) == 0
     out, err = capsys.readouterr()
     stats = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert stats[0]["turns"] == 1 and stats[0]["tokens"] > 0 and stats[1]["tokens"] == 0
     assert "(conversation reset)" in out and "unknown command /nonsense" in err
+    assert "is not a kivi_jax cache save" in err  # a bad /load is reported and the REPL goes on
     assert (tmp_path / "s" / "cache.json").is_file()
 
 

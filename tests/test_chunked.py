@@ -175,6 +175,10 @@ def test_writes_past_capacity_and_bad_token_ids_never_give_silent_numbers():
     params = init_params(cfg, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"token ids \[64\] in sequences \[1\] are outside the vocabulary \[0, 64\)"):
         forward(params, jnp.asarray([[1, 2], [3, 64]]), make_cache("full", cfg, 2, 32))
+    with pytest.raises(ValueError, match=r"num_new=\[3, 1\] must count real tokens of each sequence, between 0 and 2"):
+        forward(params, jnp.asarray([[1, 2], [3, 4]]), make_cache("full", cfg, 2, 32), jnp.asarray([3, 1]))
+    with pytest.raises(ValueError, match=r"logits_at=\[2, 0\] must pick a token index in \[0, 2\)"):
+        forward(params, jnp.asarray([[1, 2], [3, 4]]), None, logits_at=jnp.asarray([2, 0]))
     with pytest.raises(CacheCapacityError, match="sequence 0 holds 0 tokens and gets 40 more, past the cache's 32"):
         forward(params, jnp.zeros((1, 40), jnp.int32), make_cache("full", cfg, 1, 32))
     # under jit the values are traced: the sequence is flagged and its logits are NaN, the others untouched
