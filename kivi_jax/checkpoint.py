@@ -327,8 +327,14 @@ def check_output_dir(path: str | os.PathLike) -> Path:
         parent = parent.parent
     if not parent.is_dir():
         raise CheckpointError(f"cannot create {path}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot create {path}: {parent} is not writable; choose a directory you can write to")
+    import tempfile
+
+    try:  # a real probe: permission bits do not tell (root, read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent))
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create {path}: {parent} is not writable ({e.strerror or e}); choose a directory you can write to"
+        ) from None
     return path
 
 

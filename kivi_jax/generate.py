@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import secrets
 import time
 import warnings
 from typing import Iterator, NamedTuple
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax.cache import CacheCapacityError, make_cache
+from kivi_jax.cache import CacheCapacityError, check_impl, make_cache, tree_bytes
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import Params, forward
@@ -39,12 +40,33 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        check_number("temperature", self.temperature)
+        check_number("top_p", self.top_p)
+        check_int("top_k", self.top_k)
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 means no top-k cut)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """`value` as an int, or a clear error: an integer (not a bool, not a float such as 2.5) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an integer{'' if minimum is None else f' >= {minimum}'}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+    return int(value)
+
+
+def check_number(name: str, value) -> float:
+    """`value` as a float, or a clear error: a finite real number (not nan or inf, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number (not nan or inf)")
+    return float(value)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -97,6 +119,12 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
+            bad = [i for i, c in enumerate(p) if 0xD800 <= ord(c) <= 0xDFFF]
+            if bad:
+                raise ValueError(
+                    f"prompt{'' if single else f' {i}'} is not valid Unicode: lone surrogate characters at "
+                    f"{bad[:3]} (bytes that were not UTF-8?); pass UTF-8 text"
+                )
             if tokenizer is None:
                 raise ValueError(
                     "a text prompt needs a tokenizer: pass the Model from kivi_jax.load(...) or tokenizer=..."
@@ -122,10 +150,19 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
 
 
 def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | None, cfg: LlamaConfig) -> int:
-    """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets."""
+    """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets. Either way the
+    prompt plus the new tokens must fit the model's `max_position_embeddings`."""
     need = prompt_len + max_new_tokens
     multiple = CACHE_BUCKET if spec == "full" else math.lcm(CACHE_BUCKET, spec.residual_length)
     if max_length is not None:
+        check_int("max_length", max_length, 1)
+        if need > cfg.max_position_embeddings:
+            raise CacheCapacityError(
+                f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {need} tokens exceed the "
+                f"model's {cfg.max_position_embeddings} positions (max_position_embeddings), whatever max_length="
+                f"{max_length} says; shorten the prompt or lower max_new_tokens to at most "
+                f"{max(cfg.max_position_embeddings - prompt_len, 0)}"
+            )
         if need > max_length:
             raise CacheCapacityError(
                 f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}, so the cache needs "
@@ -160,6 +197,8 @@ class Generation:
     seconds: float  # wall time of the whole call
     prefill_seconds: float  # prefill (and its compilation on first use)
     overflow: bool = False  # a KIVI scale/min overflowed its storage dtype
+    cache_stats: dict | None = None  # generate.cache_stats of the final cache: tokens quantized, bytes vs full
+    seed: int | None = None  # the sampling seed used (a fresh random one when seed=None was passed)
 
     @property
     def text(self):
@@ -188,7 +227,18 @@ class Generation:
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_tokens_per_s": round(self._decode_rate(), 2),
             "overflow": self.overflow,
+            "seed": self.seed,
+            **self._cache_json(),
         }
+
+    def _cache_json(self) -> dict:
+        c = self.cache_stats
+        if c is None:
+            return {}
+        one = (lambda xs: xs[0]) if self.single else (lambda xs: xs)
+        return {"cache_tokens": one(c["tokens"]), "keys_quantized": one(c["keys_quantized"]),
+                "values_quantized": one(c["values_quantized"]), "residual_length": c["residual_length"],
+                "cache_max_tokens": c["max_tokens"], "cache_bytes": c["bytes"], "full_cache_bytes": c["full_bytes"]}
 
     def _decode_rate(self) -> float:
         steps = max(len(s) for s in self.sequences) - 1
@@ -232,8 +282,13 @@ def start(
     """Validates everything up front (so bad input fails before any compute) and returns the lazy step stream."""
     params, tokenizer = _unpack_model(model, tokenizer)
     cfg = params.config
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is None:  # documented: a fresh random seed, reported in the result
+        seed = secrets.randbelow(2**32)
+    seed = check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed={seed} must be below 2**32 (a 32-bit PRNG seed), or None for a fresh random one")
+    check_impl(attention_impl)
     sampling = Sampling(temperature, top_k, top_p)
     spec = parse_cache_spec(cache)
     prompts, single = encode_prompts(prompt, tokenizer, chat)
@@ -252,7 +307,7 @@ def start(
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     eos = np.array(cfg.eos_token_ids if stop_at_eos else [], np.int32)
-    result: dict = {"prefill_seconds": 0.0, "overflow": False}
+    result: dict = {"prefill_seconds": 0.0, "overflow": False, "seed": seed}
 
     def steps() -> Iterator[Step]:
         t0 = time.perf_counter()
@@ -261,6 +316,7 @@ def start(
         nxt, kv, key = prefill_step(params, jnp.asarray(tokens), jnp.asarray(lengths), kv, key, sampling)
         done = np.zeros(batch, bool)
         for i in range(max_new_tokens):
+            raise_cache_errors(kv)
             host = np.asarray(nxt)
             if i == 0:
                 result["prefill_seconds"] = time.perf_counter() - t0
@@ -282,8 +338,78 @@ def start(
                 RuntimeWarning,
                 stacklevel=3,
             )
+        result["cache"] = cache_stats(kv, full_cache_bytes(cfg, batch, max_tokens, params.dtype))
 
     return Session(prompts, single, steps(), result)
+
+
+TOKEN_OUT_OF_RANGE = 1  # error_flags bit 0: a token id outside [0, vocab) reached the model
+WRITE_PAST_CAPACITY = 2  # error_flags bit 1: a write went past the cache's max_tokens
+
+
+def raise_cache_errors(cache) -> None:
+    """Turns a cache's `error_flags` (`[batch]` int32 bitmask set under jit; absent on caches without guards) into a
+    clear error: a token id out of range is a ValueError, a write past capacity a CacheCapacityError."""
+    flags = getattr(cache, "error_flags", None)
+    if flags is None:
+        return
+    flags = np.asarray(flags).reshape(-1)
+    if not flags.any():
+        return
+    capacity = np.flatnonzero(flags & WRITE_PAST_CAPACITY).tolist()
+    tokens = np.flatnonzero(flags & TOKEN_OUT_OF_RANGE).tolist()
+    unknown = np.flatnonzero(flags & ~(TOKEN_OUT_OF_RANGE | WRITE_PAST_CAPACITY)).tolist()
+    if capacity:
+        raise CacheCapacityError(
+            f"sequences {capacity} were written past the cache's capacity of {getattr(cache, 'max_tokens', '?')} "
+            "tokens, so their logits are wrong; allocate a larger cache (max_length) or generate fewer tokens"
+        )
+    if tokens:
+        raise ValueError(
+            f"sequences {tokens} fed token ids outside the vocabulary [0, vocab_size) to the model, so their logits "
+            "are meaningless; pass ids the model's tokenizer produces"
+        )
+    raise RuntimeError(f"the cache reports unknown error flags {sorted(set(flags[unknown].tolist()))} in sequences "
+                       f"{unknown}")
+
+
+def quantized_counts(length, spec) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens stored quantized, (keys `[batch]`, values `[batch]`), of a cache holding `length [batch]` tokens: for a
+    KIVI cache with residual R, per-channel stores quantize whole R-blocks (`(length // R) * R`) and per-token ones
+    all but the newest R (`max(length - R, 0)`); a full cache quantizes nothing (docs/design.md §2)."""
+    length = np.asarray(length, np.int64)
+    if spec == "full":
+        return np.zeros_like(length), np.zeros_like(length)
+    r = spec.residual_length
+
+    def end(axis):
+        return (length // r) * r if axis == "channel" else np.maximum(length - r, 0)
+
+    return end(spec.key_axis), end(spec.value_axis)
+
+
+def full_cache_bytes(cfg: LlamaConfig, batch: int, max_tokens: int, dtype) -> int:
+    """Bytes of a full-precision cache of this shape (built abstractly: nothing is allocated)."""
+    return tree_bytes(jax.eval_shape(lambda: make_cache("full", cfg, batch, max_tokens, dtype)))
+
+
+def cache_stats(cache, full_bytes: int) -> dict:
+    """What a cache holds and costs: tokens per sequence, tokens quantized (keys, values), its bytes, and
+    `full_bytes`, what a full-precision cache of the same shape takes (`full_cache_bytes`)."""
+    spec = getattr(cache, "config", None)
+    spec = spec if isinstance(spec, KIVIConfig) else "full"
+    length = np.asarray(cache.length)
+    kq, vq = quantized_counts(length, spec)
+    return {
+        "cache": "full" if spec == "full" else spec.spec,
+        "max_tokens": int(cache.max_tokens),
+        "tokens": length.tolist(),
+        "keys_quantized": kq.tolist(),
+        "values_quantized": vq.tolist(),
+        "bytes": int(tree_bytes(cache)),
+        "full_bytes": int(full_bytes),
+        "residual_length": None if spec == "full" else spec.residual_length,
+    }
 
 
 def stream(model, prompt, **kwargs) -> Iterator[Step]:
@@ -296,7 +422,8 @@ def generate(model, prompt, **kwargs) -> Generation:
 
     `model`: the Model from `kivi_jax.load` (or Params plus `tokenizer=`). `prompt`: text, token ids, or a list of
     either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
-    `top_k`, `top_p`, `seed`, `cache` ('full', 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
+    `top_k`, `top_p`, `seed` (an integer in [0, 2**32); None draws a fresh random seed, reported as
+    `Generation.seed`), `cache` ('full', the default, 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
     `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`.
     """
     t0 = time.perf_counter()
@@ -318,4 +445,6 @@ def generate(model, prompt, **kwargs) -> Generation:
         seconds=time.perf_counter() - t0,
         prefill_seconds=session.result["prefill_seconds"],
         overflow=session.result["overflow"],
+        cache_stats=session.result.get("cache"),
+        seed=session.result.get("seed"),
     )
