@@ -413,8 +413,9 @@ def cache_stats(cache, full_bytes: int) -> dict:
 
 
 def stream(model, prompt, **kwargs) -> Iterator[Step]:
-    """Yields each generated token per sequence as it is produced (see `generate` for the arguments)."""
-    yield from start(model, prompt, **kwargs).steps
+    """An iterator over the generated tokens, one `Step` (a token per sequence) as each is produced (see `generate`
+    for the arguments). Bad arguments raise here, when `stream` is called, not at the first step."""
+    return start(model, prompt, **kwargs).steps
 
 
 def generate(model, prompt, **kwargs) -> Generation:

@@ -257,3 +257,10 @@ def test_version_matches_the_package_metadata():
 def test_out_of_vocab_ids_still_refused_up_front(model):
     with pytest.raises(ValueError, match=rf"outside \[0, {TINY_VOCAB}\)"):
         kivi_jax.generate(model, [5, -1], max_new_tokens=2)
+
+
+def test_stream_checks_its_arguments_when_called(model):
+    with pytest.raises(ValueError, match="temperature=nan"):
+        kivi_jax.stream(model, "hello", temperature=float("nan"))  # not deferred to the first step
+    steps = list(kivi_jax.stream(model, [5, 6, 7], max_new_tokens=3, stop_at_eos=False))
+    assert [s.index for s in steps] == [0, 1, 2]
