@@ -167,18 +167,20 @@ def _eval_model_and_text(args):
     import kivi_jax
     from kivi_jax import evaluate
 
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
-    if model.tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer; eval needs one to turn --text into tokens")
     if args.text is None:
         text, name = evaluate.default_text(), evaluate.default_text_name()
-    else:
+    else:  # read before the model loads, so a bad file fails fast
         try:
             with open(args.text, encoding="utf-8") as f:
                 text, name = f.read(), args.text
         except UnicodeDecodeError as e:
             raise ValueError(f"--text {args.text} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                              f"{e.start}); give a UTF-8 text file") from None
+        except OSError as e:
+            raise ValueError(f"cannot read --text {args.text}: {e.strerror or e}; give a UTF-8 text file") from None
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; eval needs one to turn --text into tokens")
     return model, evaluate.tokenize(model.tokenizer, text), name
 
 

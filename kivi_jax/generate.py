@@ -119,7 +119,7 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            bad = [i for i, c in enumerate(p) if 0xD800 <= ord(c) <= 0xDFFF]
+            bad = [j for j, c in enumerate(p) if 0xD800 <= ord(c) <= 0xDFFF]
             if bad:
                 raise ValueError(
                     f"prompt{'' if single else f' {i}'} is not valid Unicode: lone surrogate characters at "

@@ -264,3 +264,13 @@ def test_stream_checks_its_arguments_when_called(model):
         kivi_jax.stream(model, "hello", temperature=float("nan"))  # not deferred to the first step
     steps = list(kivi_jax.stream(model, [5, 6, 7], max_new_tokens=3, stop_at_eos=False))
     assert [s.index for s in steps] == [0, 1, 2]
+
+
+def test_eval_text_that_is_missing_or_not_utf8_fails_before_the_model_loads(capsys, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    argv = ["eval", "ppl", "--model", "/no/such/model", "--text"]
+    code, _, err = run_cli(capsys, argv + [str(bad)], None)
+    assert code == 2 and f"--text {bad} is not UTF-8 text (byte 0xe9 at offset 3); give a UTF-8 text file" in err
+    code, _, err = run_cli(capsys, argv + [str(tmp_path / "missing.txt")], None)
+    assert code == 2 and "cannot read --text" in err and "No such file or directory" in err
