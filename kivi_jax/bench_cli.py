@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kivi_jax.cli_args import writable_file
+
 MODEL_HELP = ("'smollm2' (the real model), 'llama2-7b' or 'llama3-8b' (synthetic weights with those models' shapes), "
               "or a path (HF directory, .gguf, kivi_jax checkpoint)")
 
@@ -54,7 +56,7 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: s
     p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
                    help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot of the results")
+    p.add_argument("--plot", metavar="FILE", type=writable_file, default=None, help="write a PNG plot of the results")
 
 
 def add_bench_commands(sub) -> None:

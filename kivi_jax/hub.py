@@ -141,7 +141,11 @@ def model_lock(name: str):
         yield
         return
     with open(lock_path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"kivi_jax: another process is preparing '{name}' in {folder}; waiting for it", file=sys.stderr)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         _held[lock_path] = 1
         try:
             yield

@@ -84,6 +84,8 @@ CLI_CASES = [
     ("convert-out-unwritable", ["convert", MODEL, "/sys/kivi-jax-out"],
      ["cannot create /sys/kivi-jax-out", "not writable", "choose a directory you can write to"]),
     ("convert-out-exists", ["convert", MODEL, "/tmp"], ["/tmp already exists", "choose a new directory"]),
+    ("bench-plot-unwritable", ["bench", "decode", "--model", MODEL, "--plot", "/sys/d.png"],
+     ["--plot", "cannot write /sys/d.png", "give a path you can write to"]),
 ]
 
 
