@@ -84,6 +84,10 @@ CLI_CASES = [
     ("convert-out-unwritable", ["convert", MODEL, "/sys/kivi-jax-out"],
      ["cannot create /sys/kivi-jax-out", "not writable", "choose a directory you can write to"]),
     ("convert-out-exists", ["convert", MODEL, "/tmp"], ["/tmp already exists", "choose a new directory"]),
+    ("bench-repeats-zero", ["bench", "decode", "--model", MODEL, "--repeats", "0"],
+     ["--repeats", "0 is out of range", "integer >= 1"]),
+    ("bench-layers-fraction", ["bench", "memory", "--model", MODEL, "--layers", "1.5"],
+     ["--layers", "'1.5' is not an integer", "integer >= 1"]),
     ("bench-plot-unwritable", ["bench", "decode", "--model", MODEL, "--plot", "/sys/d.png"],
      ["--plot", "cannot write /sys/d.png", "give a path you can write to"]),
 ]
