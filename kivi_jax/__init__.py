@@ -31,8 +31,14 @@ __version__ = "0.1.0"
 def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True) -> Model:
     """Loads a model: a known name (`smollm2`, fetched and converted once, then cached), an HF directory, a `.gguf`
     file or a kivi_jax checkpoint directory. Returns `Model(params, config, tokenizer)`; `dtype` casts the weights
-    (the compute dtype: float32 on CPU, bfloat16 on GPU)."""
+    (the compute dtype: float32 on CPU, bfloat16 on GPU; float32, bfloat16 or float16, a name or a jnp dtype;
+    float64 only with JAX's x64 mode on)."""
     from kivi_jax import checkpoint, hub
+
+    dtype = checkpoint.check_dtype(dtype)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"load() takes a model name or a path, not {type(name_or_path).__name__}")
+    name_or_path = os.fspath(name_or_path)
 
     if name_or_path in hub.MODELS:
         path = hub.ensure_checkpoint(name_or_path, progress=progress)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kivi_jax.cli_args import integer, writable_file
+
 MODEL_HELP = ("'smollm2' (the real model), 'llama2-7b' or 'llama3-8b' (synthetic weights with those models' shapes), "
               "or a path (HF directory, .gguf, kivi_jax checkpoint)")
 
@@ -49,12 +51,12 @@ def _log(line: str) -> None:
 
 def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: str) -> None:
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (so large shapes fit)")
+    p.add_argument("--layers", type=integer(1), default=None, help="keep only the first N layers (so large shapes fit)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=dtype_default, help=dtype_help)
     p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
                    help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot of the results")
+    p.add_argument("--plot", metavar="FILE", type=writable_file, default=None, help="write a PNG plot of the results")
 
 
 def add_bench_commands(sub) -> None:
@@ -64,13 +66,13 @@ def add_bench_commands(sub) -> None:
     d.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384], help="tokens in the cache (default 1024,4096,16384)")
     d.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
     d.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
-    d.add_argument("--repeats", type=int, default=10, help="timed steps per configuration (default 10)")
-    d.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one (default 2)")
+    d.add_argument("--repeats", type=integer(1), default=10, help="timed steps per configuration (default 10)")
+    d.add_argument("--warmup", type=integer(0), default=2, help="untimed steps after the compiling one (default 2)")
     d.set_defaults(func=cmd_decode)
 
     m = sub.add_parser("memory", help="cache bytes, the formula, decode temporaries and the largest batch in a budget")
     _common(m, "bfloat16", "compute dtype: the full cache's element type and the weights' (default bfloat16)")
-    m.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    m.add_argument("--context", type=integer(1), default=4096, help="tokens per sequence (default 4096)")
     m.add_argument("--budget", default="24GiB", help="memory for the weights and the caches (default 24GiB; GB is 1e9, "
                                                      "GiB 2^30)")
     m.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
@@ -80,10 +82,10 @@ def add_bench_commands(sub) -> None:
     g = sub.add_parser("generate", help="end-to-end generation throughput (prefill + N new tokens) across batch sizes")
     _common(g, None, "compute dtype (default: as stored, float32)")
     g.add_argument("--batch", type=int_list, default=[1, 4, 16], help="batch sizes (default 1,4,16)")
-    g.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence (default 256)")
-    g.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence (default 64)")
+    g.add_argument("--prompt-len", type=integer(1), default=256, help="prompt tokens per sequence (default 256)")
+    g.add_argument("--new-tokens", type=integer(1), default=64, help="tokens generated per sequence (default 64)")
     g.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
-    g.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
+    g.add_argument("--repeats", type=integer(1), default=3, help="timed runs per configuration (default 3)")
     g.set_defaults(func=cmd_generate)
 
 

@@ -27,7 +27,7 @@ from kivi_jax.generate import (
     Sampling,
     decode_step,
     prefill,
-    raise_flagged,
+    raise_cache_errors,
     sample_step,
 )
 
@@ -127,7 +127,7 @@ class Chat:
             self.turns += 1
             self.last_turn = {"new_tokens": len(new_ids), "reply_ids": reply_ids,
                               "first_token_seconds": first_token_s, "seconds": time.perf_counter() - t0}
-            raise_flagged(self.cache)
+            raise_cache_errors(self.cache)
         if len(reply) > len(shown):
             yield reply[len(shown):]
 

@@ -21,6 +21,31 @@ FORMAT_VERSION = 1
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, truncated or of the wrong kind."""
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype):
+    """`dtype` (None, a name or a jnp dtype) -> None or a jnp floating dtype that parameters may be cast to.
+
+    Allowed: float32, bfloat16, float16, and float64 only when JAX's x64 mode is on (otherwise JAX would silently
+    keep float32 and warn once per tensor)."""
+    if dtype is None:
+        return None
+    allowed = DTYPE_NAMES + (("float64",) if jax.config.jax_enable_x64 else ())
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype={dtype!r} is not a dtype; choose one of {', '.join(allowed)}") from None
+    if dt.name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "dtype=float64 needs JAX's 64-bit mode (jax.config.update('jax_enable_x64', True) before anything else "
+            f"runs); without it choose one of {', '.join(DTYPE_NAMES)}"
+        )
+    if dt.name not in allowed:
+        raise ValueError(f"dtype={dt.name} is not a compute dtype for the weights; choose one of {', '.join(allowed)}")
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}[dt.name]
+
+
 def _progress(total: int, desc: str, show: bool):
     from tqdm.auto import tqdm
 
@@ -291,36 +316,66 @@ def gguf_tokenizer(path: str | os.PathLike):
 # ---------------------------------------------------------------------------------------------------------------------
 # Our own format: orbax params + config json + tokenizer files
 
-def save(params: Params, path: str | os.PathLike, tokenizer=None, source: str | None = None) -> Path:
-    """Writes params (orbax), their config and optionally a tokenizer to the directory `path` (must not exist)."""
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Raises a clear CheckpointError unless a checkpoint directory can be created at `path`: it must not exist, and
+    its nearest existing parent must be a writable directory. Cheap: run it before any expensive conversion."""
+    path = Path(path).expanduser().absolute()
     if path.exists():
         raise CheckpointError(f"{path} already exists; choose a new directory or remove it first")
-    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    tree = {k: v for k, v in params_to_dict(params).items() if v is not None}
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp / "params", tree)
-    checkpointer.wait_until_finished()
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    meta = {
-        "format": "kivi_jax",
-        "version": FORMAT_VERSION,
-        "dtype": jnp.dtype(params.dtype).name,
-        "config": params.config.to_dict(),
-        "source": source,
-    }
-    (tmp / FORMAT_FILE).write_text(json.dumps(meta, indent=2))  # written last: its presence marks a whole checkpoint
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot create {path}: {parent} is a file, not a directory")
+    import tempfile
+
+    try:  # a real probe: permission bits do not tell (root, read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent))
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create {path}: {parent} is not writable ({e.strerror or e}); choose a directory you can write to"
+        ) from None
+    return path
+
+
+def save(params: Params, path: str | os.PathLike, tokenizer=None, source: str | None = None) -> Path:
+    """Writes params (orbax), their config and optionally a tokenizer to the directory `path` (must not exist).
+
+    The files are written into a sibling `NAME.partial-PID-RANDOM` (unique to this writer) and renamed into place
+    whole; errors name `path`, never the partial directory."""
+    import orbax.checkpoint as ocp
+
+    from kivi_jax.hub import partial_name
+
+    path = check_output_dir(path)
+    tmp = path.with_name(partial_name(path.name))
+    try:
+        tmp.mkdir(parents=True)
+        tree = {k: v for k, v in params_to_dict(params).items() if v is not None}
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / "params", tree)
+        checkpointer.wait_until_finished()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        meta = {
+            "format": "kivi_jax",
+            "version": FORMAT_VERSION,
+            "dtype": jnp.dtype(params.dtype).name,
+            "config": params.config.to_dict(),
+            "source": source,
+        }
+        (tmp / FORMAT_FILE).write_text(json.dumps(meta, indent=2))  # written last: its presence marks a whole checkpoint
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write the checkpoint {path}: {e.strerror or e}") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(path)
     except OSError as e:  # another writer got there first
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{path} appeared while saving ({e})") from e
+        raise CheckpointError(f"{path} appeared while saving ({e.strerror or e})") from e
     return path
 
 def is_kivi_checkpoint(path: str | os.PathLike) -> bool:
@@ -390,6 +445,9 @@ def load_any(path: str | os.PathLike, dtype=None, progress: bool = False) -> tup
     )
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, dtype=None, progress: bool = True) -> Path:
-    """Converts an HF directory or GGUF file into a kivi_jax checkpoint directory."""
+    """Converts an HF directory or GGUF file into a kivi_jax checkpoint directory (`out` must not exist; checked
+    before anything is read)."""
+    dtype = check_dtype(dtype)
+    check_output_dir(out)
     params, tokenizer = load_any(src, dtype, progress)
     return save(params, out, tokenizer, source=str(src))

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from kivi_jax import cli_args
+from kivi_jax.cli_args import integer, real, utf8_text, writable_file
 from kivi_jax.config import SPEC_HELP
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -21,47 +23,69 @@ def _dtype(name: str | None):
 
 
 def cache_from_args(args):
-    """The cache spec from `--cache` with `--k-bits/--v-bits/--group-size/--residual-length` overrides."""
+    """The cache spec from `--cache` with `--k-bits/--v-bits/--group-size/--residual-length` overrides (which apply
+    to KIVI caches only: with `--cache full` they are an error, see cli_args.check_applicable)."""
     import dataclasses
 
-    from kivi_jax.config import KIVIConfig, parse_cache_spec
+    from kivi_jax.config import parse_cache_spec
 
+    cli_args.check_applicable(args)
     spec = parse_cache_spec(args.cache)
     overrides = {k: v for k, v in (("k_bits", args.k_bits), ("v_bits", args.v_bits), ("group_size", args.group_size),
                                    ("residual_length", args.residual_length)) if v is not None}
     if not overrides:
         return spec
-    if spec == "full":
-        spec = KIVIConfig()
     return dataclasses.replace(spec, **overrides)
+
+
+def _is_kivi(args) -> bool:
+    from kivi_jax.config import parse_cache_spec
+
+    return parse_cache_spec(args.cache) != "full"
+
+
+_NOT_FOR_FULL = ("the full-precision cache (--cache full) has no bits, groups or residual; drop the flag or choose a "
+                 "KIVI cache (--cache kivi2, kivi4 or k<bits>v<bits>[-g<G>][-r<R>])")
+
+
+def _is_sampling(args) -> bool:
+    return not getattr(args, "greedy", False) and bool(getattr(args, "temperature", None))
 
 
 def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
     p.add_argument("--cache", default=default, help=f"cache kind (default {default}); {SPEC_HELP}")
-    p.add_argument("--k-bits", type=int, choices=(2, 4, 8), help="override the key bits of --cache")
-    p.add_argument("--v-bits", type=int, choices=(2, 4, 8), help="override the value bits of --cache")
-    p.add_argument("--group-size", type=int, help="override the group size G of --cache")
-    p.add_argument("--residual-length", type=int, help="override the residual length R of --cache")
+    cli_args.add_conditional(p, "--k-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=(2, 4, 8),
+                             help="override the key bits of a KIVI --cache")
+    cli_args.add_conditional(p, "--v-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=(2, 4, 8),
+                             help="override the value bits of a KIVI --cache")
+    cli_args.add_conditional(p, "--group-size", _is_kivi, _NOT_FOR_FULL, type=integer(1),
+                             help="override the group size G of a KIVI --cache")
+    cli_args.add_conditional(p, "--residual-length", _is_kivi, _NOT_FOR_FULL, type=integer(1),
+                             help="override the residual length R of a KIVI --cache (a multiple of G)")
     p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
                    help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced (pallas on CPU runs "
                         "in interpret mode, slowly)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of generate and chat (and the prefill chunk)."""
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature is given)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prompt tokens a prefill call takes; longer prompts go in chunks (default 512)")
+    p.add_argument("--temperature", type=real(0.0), default=None, help="sampling temperature (> 0 samples; 0 = greedy)")
+    not_sampling = "greedy decoding (no --temperature, or --greedy) ignores it; add --temperature T > 0 to sample"
+    cli_args.add_conditional(p, "--top-k", _is_sampling, not_sampling, type=integer(0),
+                             help="sample from the K most likely tokens (0 = no cut; needs --temperature)")
+    cli_args.add_conditional(p, "--top-p", _is_sampling, not_sampling, type=real(0.0, 1.0, above=True),
+                             help="sample from the smallest set of tokens with mass P, in (0, 1] (needs --temperature)")
+    p.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="sampling seed (default 0)")
+    p.add_argument("--prefill-chunk", type=integer(1), default=512,
+                   help="prompt tokens a prefill call takes; longer prompts go in chunks of that shape (default 512)")
 
 
 def sampling_from_args(args) -> dict:
     """The sampling keywords of generate / Chat from the shared flags."""
     temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
-    return dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                prefill_chunk=args.prefill_chunk)
+    return dict(temperature=temperature, top_k=0 if args.top_k is None else args.top_k,
+                top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, prefill_chunk=args.prefill_chunk)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -74,10 +98,10 @@ def cmd_generate(args) -> int:
     import kivi_jax
     from kivi_jax.generate import Generation, start
 
+    spec = cache_from_args(args)  # a bad cache spec or flag fails before the model loads
     t0 = time.perf_counter()
     model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
     load_s = time.perf_counter() - t0
-    spec = cache_from_args(args)
     t1 = time.perf_counter()
     session = start(
         model,
@@ -109,6 +133,8 @@ def cmd_generate(args) -> int:
         seconds=time.perf_counter() - t1,
         prefill_seconds=session.result["prefill_seconds"],
         overflow=session.result["overflow"],
+        cache_stats=session.result.get("cache"),
+        seed=session.result.get("seed"),
     )
     if args.json:
         out = gen.to_json()
@@ -118,6 +144,9 @@ def cmd_generate(args) -> int:
         if tok is None:
             sys.stdout.write(" ".join(map(str, ids)))
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        if gen.cache_stats is not None:
+            print(f"kivi-jax: {cache_summary(gen.cache_stats)}", file=sys.stderr)
     return 0
 
 
@@ -181,10 +210,25 @@ def cmd_chat(args) -> int:
         sys.stdout.flush()
 
 
+def cache_summary(stats: dict) -> str:
+    """One line on what the cache did: tokens, how many were quantized, bytes against a full-precision cache."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    n, kq, vq = stats["tokens"][0], stats["keys_quantized"][0], stats["values_quantized"][0]
+    if stats["cache"] == "full":
+        return f"full cache: {n} tokens in full precision, {mib(stats['bytes'])}"
+    r = stats["residual_length"]
+    note = (f"; all within the {r}-token full-precision residual, so the output equals the full cache's "
+            "(prompt and answer must pass it to exercise quantization)") if kq == 0 and vq == 0 else ""
+    return (f"{stats['cache']} cache: {n} tokens, keys of {kq} and values of {vq} of them quantized{note}; "
+            f"{mib(stats['bytes'])} for {stats['max_tokens']} tokens against {mib(stats['full_bytes'])} in full "
+            f"precision ({stats['bytes'] / stats['full_bytes']:.3f}x)")
+
+
 def cmd_convert(args) -> int:
     from kivi_jax import checkpoint, hub
 
     src = args.src
+    checkpoint.check_output_dir(args.out)  # before any download or conversion
     if src in hub.MODELS:
         src = str(hub.fetch_gguf(src))
     out = checkpoint.convert(src, args.out, _dtype(args.dtype), progress=True)
@@ -200,14 +244,20 @@ def _eval_model_and_text(args):
     import kivi_jax
     from kivi_jax import evaluate
 
+    if args.text is None:
+        text, name = evaluate.default_text(), evaluate.default_text_name()
+    else:  # read before the model loads, so a bad file fails fast
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text, name = f.read(), args.text
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--text {args.text} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                             f"{e.start}); give a UTF-8 text file") from None
+        except OSError as e:
+            raise ValueError(f"cannot read --text {args.text}: {e.strerror or e}; give a UTF-8 text file") from None
     model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; eval needs one to turn --text into tokens")
-    if args.text is None:
-        text, name = evaluate.default_text(), evaluate.default_text_name()
-    else:
-        with open(args.text, encoding="utf-8") as f:
-            text, name = f.read(), args.text
     return model, evaluate.tokenize(model.tokenizer, text), name
 
 
@@ -270,6 +320,10 @@ def cmd_eval_ablate(args) -> int:
     from kivi_jax import evaluate
 
     specs = evaluate.ablation_specs() if args.cache is None else _split_specs(args.cache)
+    if args.plot:
+        from kivi_jax.plots import _pyplot
+
+        _pyplot()  # matplotlib missing: say so before the ablation runs, not after
     header, results = _run_eval(args, specs)
     rows = evaluate.ablation_rows(results)
     what = (f"{header['model']}, {header['text']}, {header['windows']} windows, prefill {header['prefill']}, "
@@ -330,10 +384,10 @@ def _add_eval_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_protocol_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", type=int, default=512, help="prompt tokens per window, prefilled at once (default 512)")
-    p.add_argument("--decode", type=int, default=256,
+    p.add_argument("--prefill", type=integer(2), default=512, help="prompt tokens per window, prefilled at once (default 512)")
+    p.add_argument("--decode", type=integer(1), default=256,
                    help="tokens then fed one at a time through the cache, each prediction scored (default 256)")
-    p.add_argument("--windows", type=int, default=4,
+    p.add_argument("--windows", type=integer(1), default=4,
                    help="windows evenly spaced over the text, run as one batch (default 4)")
     p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
                    help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
@@ -369,8 +423,8 @@ def add_eval_parser(sub) -> None:
     _add_eval_common(a)
     _add_protocol_args(a)
     a.add_argument("--cache", default=None, help="comma-separated specs to run instead of the ablation's")
-    a.add_argument("--out", default="ablation.md", help="markdown table to write (default ablation.md; '' for none)")
-    a.add_argument("--plot", default="ablation.png", help="PNG plot to write (default ablation.png; '' for none)")
+    a.add_argument("--out", type=writable_file, default="ablation.md", help="markdown table to write (default ablation.md; '' for none)")
+    a.add_argument("--plot", type=writable_file, default="ablation.png", help="PNG plot to write (default ablation.png; '' for none)")
     a.set_defaults(func=cmd_eval_ablate)
 
     r = esub.add_parser(
@@ -381,10 +435,10 @@ def add_eval_parser(sub) -> None:
                     "residual).",
     )
     _add_eval_common(r)
-    r.add_argument("--tokens", type=int, default=512, help="tokens per window (a multiple of --group-size; default 512)")
-    r.add_argument("--windows", type=int, default=2, help="windows evenly spaced over the text (default 2)")
+    r.add_argument("--tokens", type=integer(1), default=512, help="tokens per window (a multiple of --group-size; default 512)")
+    r.add_argument("--windows", type=integer(1), default=2, help="windows evenly spaced over the text (default 2)")
     r.add_argument("--bits", type=int, choices=(2, 4, 8), default=2, help="bits for keys and values (default 2)")
-    r.add_argument("--group-size", type=int, default=32, help="group size G (default 32)")
+    r.add_argument("--group-size", type=integer(1), default=32, help="group size G (default 32)")
     r.set_defaults(func=cmd_eval_errors)
 
 
@@ -397,14 +451,18 @@ def add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kivi_jax import __version__
+
     parser = argparse.ArgumentParser(prog="kivi-jax", description="Llama/Mistral inference with a KIVI-quantized KV cache")
+    parser.add_argument("--version", action="version", version=f"kivi-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text, streamed to the terminal")
-    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--prompt", required=True, type=utf8_text, help="the prompt text (UTF-8)")
     add_model_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-length", type=int, default=None, help="cache size in tokens (default: prompt + new, rounded up)")
+    g.add_argument("--max-new-tokens", type=integer(1), default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--max-length", type=integer(1), default=None,
+                   help="cache size in tokens (default: prompt + new, rounded up; at most the model's positions)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -418,8 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Reads piped stdin too (one message a line).")
     add_model_args(ch)
     ch.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
-    ch.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply (default 256)")
-    ch.add_argument("--max-length", type=int, default=None,
+    ch.add_argument("--max-new-tokens", type=integer(1), default=256, help="the longest reply (default 256)")
+    ch.add_argument("--max-length", type=integer(1), default=None,
                     help="initial cache size in tokens (default 1024; it grows as the conversation does)")
     add_sampling_args(ch)
     add_cache_args(ch)
@@ -437,12 +495,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The console script: exit 0 on success, 2 on a usage or input error (one line on stderr), 130 on Ctrl-C and
+    141 when the reader of stdout went away (both quiet; see kivi_jax.cli_args)."""
+    return cli_args.run(_main, argv)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "greedy", False) and args.temperature:
         parser.error("--greedy and --temperature exclude each other")
     try:
+        cli_args.check_applicable(args)
         return args.func(args)
+    except BrokenPipeError:
+        raise  # cli_args.run: a quiet exit
     except (ValueError, RuntimeError, OSError) as e:  # our errors say what is wrong and what would be right
         print(f"kivi-jax: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import secrets
 import time
 import warnings
 from typing import Iterator, NamedTuple
@@ -13,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax.cache import BAD_TOKEN, PAST_CAPACITY, CacheCapacityError, make_cache
+from kivi_jax import layout
+from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
+                            make_cache)
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import Params, forward
@@ -40,12 +43,33 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        check_number("temperature", self.temperature)
+        check_number("top_p", self.top_p)
+        check_int("top_k", self.top_k)
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 means no top-k cut)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """`value` as an int, or a clear error: an integer (not a bool, not a float such as 2.5) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an integer{'' if minimum is None else f' >= {minimum}'}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+    return int(value)
+
+
+def check_number(name: str, value) -> float:
+    """`value` as a float, or a clear error: a finite real number (not nan or inf, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number (not nan or inf)")
+    return float(value)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -117,17 +141,6 @@ def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampli
     return sample_tokens(logits[:, 0], sub, sampling), cache, key
 
 
-def raise_flagged(cache) -> None:
-    """Raises when a cache's `error_flags` say a sequence's numbers are wrong (see kivi_jax.cache)."""
-    flags = np.asarray(cache.error_flags)
-    for bit, what in ((BAD_TOKEN, "a token id outside the vocabulary"),
-                      (PAST_CAPACITY, f"more tokens than the cache's {cache.max_tokens}")):
-        hit = np.flatnonzero(flags & bit)
-        if hit.size:
-            error = CacheCapacityError if bit == PAST_CAPACITY else ValueError
-            raise error(f"sequences {hit.tolist()} got {what}; their output is invalid")
-
-
 def _is_token_list(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in x)
 
@@ -145,6 +158,12 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
+            bad = [j for j, c in enumerate(p) if 0xD800 <= ord(c) <= 0xDFFF]
+            if bad:
+                raise ValueError(
+                    f"prompt{'' if single else f' {i}'} is not valid Unicode: lone surrogate characters at "
+                    f"{bad[:3]} (bytes that were not UTF-8?); pass UTF-8 text"
+                )
             if tokenizer is None:
                 raise ValueError(
                     "a text prompt needs a tokenizer: pass the Model from kivi_jax.load(...) or tokenizer=..."
@@ -170,10 +189,19 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
 
 
 def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | None, cfg: LlamaConfig) -> int:
-    """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets."""
+    """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets. Either way the
+    prompt plus the new tokens must fit the model's `max_position_embeddings`."""
     need = prompt_len + max_new_tokens
     multiple = CACHE_BUCKET if spec == "full" else math.lcm(CACHE_BUCKET, spec.residual_length)
     if max_length is not None:
+        check_int("max_length", max_length, 1)
+        if need > cfg.max_position_embeddings:
+            raise CacheCapacityError(
+                f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {need} tokens exceed the "
+                f"model's {cfg.max_position_embeddings} positions (max_position_embeddings), whatever max_length="
+                f"{max_length} says; shorten the prompt or lower max_new_tokens to at most "
+                f"{max(cfg.max_position_embeddings - prompt_len, 0)}"
+            )
         if need > max_length:
             raise CacheCapacityError(
                 f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}, so the cache needs "
@@ -208,6 +236,8 @@ class Generation:
     seconds: float  # wall time of the whole call
     prefill_seconds: float  # prefill (and its compilation on first use)
     overflow: bool = False  # a KIVI scale/min overflowed its storage dtype
+    cache_stats: dict | None = None  # generate.cache_stats of the final cache: tokens quantized, bytes vs full
+    seed: int | None = None  # the sampling seed used (a fresh random one when seed=None was passed)
 
     @property
     def text(self):
@@ -236,7 +266,18 @@ class Generation:
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_tokens_per_s": round(self._decode_rate(), 2),
             "overflow": self.overflow,
+            "seed": self.seed,
+            **self._cache_json(),
         }
+
+    def _cache_json(self) -> dict:
+        c = self.cache_stats
+        if c is None:
+            return {}
+        one = (lambda xs: xs[0]) if self.single else (lambda xs: xs)
+        return {"cache_tokens": one(c["tokens"]), "keys_quantized": one(c["keys_quantized"]),
+                "values_quantized": one(c["values_quantized"]), "residual_length": c["residual_length"],
+                "cache_max_tokens": c["max_tokens"], "cache_bytes": c["bytes"], "full_cache_bytes": c["full_bytes"]}
 
     def _decode_rate(self) -> float:
         steps = max(len(s) for s in self.sequences) - 1
@@ -281,8 +322,13 @@ def start(
     """Validates everything up front (so bad input fails before any compute) and returns the lazy step stream."""
     params, tokenizer = _unpack_model(model, tokenizer)
     cfg = params.config
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is None:  # documented: a fresh random seed, reported in the result
+        seed = secrets.randbelow(2**32)
+    seed = check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed={seed} must be below 2**32 (a 32-bit PRNG seed), or None for a fresh random one")
+    check_impl(attention_impl)
     sampling = Sampling(temperature, top_k, top_p)
     spec = parse_cache_spec(cache)
     prompts, single = encode_prompts(prompt, tokenizer, chat)
@@ -302,7 +348,7 @@ def start(
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     eos = np.array(cfg.eos_token_ids if stop_at_eos else [], np.int32)
-    result: dict = {"prefill_seconds": 0.0, "overflow": False}
+    result: dict = {"prefill_seconds": 0.0, "overflow": False, "seed": seed}
 
     def steps() -> Iterator[Step]:
         t0 = time.perf_counter()
@@ -312,6 +358,7 @@ def start(
         nxt, key = sample_step(last, key, sampling)
         done = np.zeros(batch, bool)
         for i in range(max_new_tokens):
+            raise_cache_errors(kv)
             host = np.asarray(nxt)
             if i == 0:
                 result["prefill_seconds"] = time.perf_counter() - t0
@@ -324,8 +371,7 @@ def start(
                 break
             feed = jnp.asarray(np.where(done, cfg.pad_id, host).astype(np.int32))
             nxt, kv, key = decode_step(params, feed, kv, key, sampling, jnp.asarray(~done, jnp.int32))
-        result["cache"] = kv
-        raise_flagged(kv)
+        raise_cache_errors(kv)
         if hasattr(kv, "overflow") and bool(np.any(np.asarray(kv.overflow))):
             result["overflow"] = True
             warnings.warn(
@@ -335,13 +381,71 @@ def start(
                 RuntimeWarning,
                 stacklevel=3,
             )
+        result["cache"] = cache_stats(kv, full_cache_bytes(cfg, batch, max_tokens, jnp.dtype(params.dtype).itemsize))
 
     return Session(prompts, single, steps(), result)
 
 
+def raise_cache_errors(cache) -> None:
+    """Turns a cache's `error_flags` (`[batch]` int32 bitmask set under jit; absent on caches without guards) into a
+    clear error: a token id out of range is a ValueError, a write past capacity a CacheCapacityError."""
+    flags = getattr(cache, "error_flags", None)
+    if flags is None:
+        return
+    flags = np.asarray(flags).reshape(-1)
+    if not (flags & ~SCALE_OVERFLOW).any():
+        return
+    capacity = np.flatnonzero(flags & PAST_CAPACITY).tolist()
+    tokens = np.flatnonzero(flags & BAD_TOKEN).tolist()
+    unknown = np.flatnonzero(flags & ~(BAD_TOKEN | PAST_CAPACITY | SCALE_OVERFLOW)).tolist()  # overflow: a warning
+    if capacity:
+        raise CacheCapacityError(
+            f"sequences {capacity} were written past the cache's capacity of {getattr(cache, 'max_tokens', '?')} "
+            "tokens, so their logits are wrong; allocate a larger cache (max_length) or generate fewer tokens"
+        )
+    if tokens:
+        raise ValueError(
+            f"sequences {tokens} fed token ids outside the vocabulary [0, vocab_size) to the model, so their logits "
+            "are meaningless; pass ids the model's tokenizer produces"
+        )
+    raise RuntimeError(f"the cache reports unknown error flags {sorted(set(flags[unknown].tolist()))} in sequences "
+                       f"{unknown}")
+
+
+def quantized_counts(length, spec) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens stored quantized, (keys `[batch]`, values `[batch]`), of a cache holding `length [batch]` tokens
+    (`layout.quantized_end` on each store's axis); a full cache quantizes nothing."""
+    length = np.asarray(length, np.int64)
+    if spec == "full":
+        return np.zeros_like(length), np.zeros_like(length)
+    r = spec.residual_length
+    return (np.asarray(layout.quantized_end(spec.key_axis, length, r)),
+            np.asarray(layout.quantized_end(spec.value_axis, length, r)))
+
+
+def cache_stats(cache, full_bytes: int) -> dict:
+    """What a cache holds and costs: tokens per sequence, tokens quantized (keys, values), its bytes, and
+    `full_bytes`, what a full-precision cache of the same shape takes (`full_cache_bytes`)."""
+    spec = getattr(cache, "config", None)
+    spec = spec if isinstance(spec, KIVIConfig) else "full"
+    length = np.asarray(cache.length)
+    kq, vq = quantized_counts(length, spec)
+    return {
+        "cache": "full" if spec == "full" else spec.spec,
+        "max_tokens": int(cache.max_tokens),
+        "tokens": length.tolist(),
+        "keys_quantized": kq.tolist(),
+        "values_quantized": vq.tolist(),
+        "bytes": int(cache.nbytes),
+        "full_bytes": int(full_bytes),
+        "residual_length": None if spec == "full" else spec.residual_length,
+    }
+
+
 def stream(model, prompt, **kwargs) -> Iterator[Step]:
-    """Yields each generated token per sequence as it is produced (see `generate` for the arguments)."""
-    yield from start(model, prompt, **kwargs).steps
+    """An iterator over the generated tokens, one `Step` (a token per sequence) as each is produced (see `generate`
+    for the arguments). Bad arguments raise here, when `stream` is called, not at the first step."""
+    return start(model, prompt, **kwargs).steps
 
 
 def generate(model, prompt, **kwargs) -> Generation:
@@ -349,7 +453,8 @@ def generate(model, prompt, **kwargs) -> Generation:
 
     `model`: the Model from `kivi_jax.load` (or Params plus `tokenizer=`). `prompt`: text, token ids, or a list of
     either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
-    `top_k`, `top_p`, `seed`, `cache` ('full', 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
+    `top_k`, `top_p`, `seed` (an integer in [0, 2**32); None draws a fresh random seed, reported as
+    `Generation.seed`), `cache` ('full', the default, 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
     `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`, `prefill_chunk`
     (prompt tokens a prefill call takes; longer prompts go in chunks of that shape; None: at once).
     """
@@ -372,4 +477,6 @@ def generate(model, prompt, **kwargs) -> Generation:
         seconds=time.perf_counter() - t0,
         prefill_seconds=session.result["prefill_seconds"],
         overflow=session.result["overflow"],
+        cache_stats=session.result.get("cache"),
+        seed=session.result.get("seed"),
     )

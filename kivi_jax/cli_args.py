@@ -1,0 +1,163 @@
+"""What every `kivi-jax` subcommand shares: argparse value validators (integers, finite floats, UTF-8 text, writable
+output files), the one rule for flags that do not apply to the chosen configuration, and clean process exits
+(Ctrl-C -> 130, a closed stdout pipe -> 141, neither with a traceback).
+
+Validators are argparse `type=` callables: a bad value fails while the command line is parsed, before any model
+loads, with `argument --flag: <what is wrong>; <what is allowed>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what shells report when the reader of stdout went away
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Value validators
+
+
+def integer(minimum: int | None = None, maximum: int | None = None):
+    """An argparse type: a whole number in `[minimum, maximum]` (either bound optional)."""
+    allowed = _range_text(minimum, maximum, "an integer")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give {allowed}") from None
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give {allowed}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def real(minimum: float | None = None, maximum: float | None = None, above: bool = False):
+    """An argparse type: a finite float in `[minimum, maximum]` (`above=True`: strictly above `minimum`)."""
+    low = "" if minimum is None else (f"> {minimum:g}" if above else f">= {minimum:g}")
+    high = "" if maximum is None else f"<= {maximum:g}"
+    allowed = "a finite number" + (f" {low}" if low else "") + (" and" if low and high else "") + (f" {high}" if high else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {allowed}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not finite; give {allowed}")
+        if minimum is not None and (value <= minimum if above else value < minimum):
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range; give {allowed}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range; give {allowed}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _range_text(minimum, maximum, what: str) -> str:
+    if minimum is not None and maximum is not None:
+        return f"{what} from {minimum} to {maximum}"
+    if minimum is not None:
+        return f"{what} >= {minimum}"
+    if maximum is not None:
+        return f"{what} <= {maximum}"
+    return what
+
+
+def undecodable_bytes(text: str) -> list[tuple[int, int]]:
+    """(position, byte) of each byte that was not UTF-8 where `text` came from (Python maps those to lone surrogates:
+    U+DC80..U+DCFF for command-line arguments and file names on POSIX)."""
+    return [(i, ord(c) - 0xDC00 if 0xDC80 <= ord(c) <= 0xDCFF else ord(c))
+            for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF]
+
+
+def utf8_text(text: str) -> str:
+    """An argparse type: text that is valid UTF-8 (so a tokenizer can read it)."""
+    bad = undecodable_bytes(text)
+    if bad:
+        where = ", ".join(f"0x{b:02x} at character {i}" for i, b in bad[:3])
+        raise argparse.ArgumentTypeError(
+            f"is not valid UTF-8 (undecodable byte {where}); pass UTF-8 text (e.g. convert it with iconv -t UTF-8)"
+        )
+    return text
+
+
+def writable_file(text: str) -> str:
+    """An argparse type: a file path that can be written (its directory exists and is writable, and it is not a
+    directory); '' passes through and means 'no file'. Checked when the command line is parsed, so an expensive run
+    never ends in an unwritable output."""
+    if text == "":
+        return text
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the directory {parent} does not exist")
+    try:  # a real probe: permission bits do not tell (root, read-only mounts)
+        if path.exists():
+            open(path, "ab").close()  # opened for appending, nothing written: the content stays
+        else:
+            open(path, "xb").close()
+            path.unlink()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}; give a path you can write to") from None
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The one rule for flags that do not apply to the chosen configuration
+
+
+def add_conditional(p: argparse.ArgumentParser, flag: str, applies, why_not: str, **kwargs) -> None:
+    """Adds `flag` (default None, so 'not given' is visible) that is only meaningful when `applies(args)` is true;
+    `check_applicable` turns giving it otherwise into an error naming the flag and `why_not`. The rules live on the
+    subcommand's own parser (`args.conditional_flags`), so the same dest may mean different things elsewhere."""
+    action = p.add_argument(flag, default=None, **kwargs)
+    rules = p.get_default("conditional_flags")
+    if rules is None:
+        rules = []
+        p.set_defaults(conditional_flags=rules)
+    rules.append((action.dest, flag, applies, why_not))
+
+
+def check_applicable(args: argparse.Namespace) -> None:
+    """Raises ValueError for a conditional flag given where it does not apply (e.g. `--group-size` with
+    `--cache full`): nothing is silently ignored or silently changes the configuration."""
+    for dest, flag, applies, why_not in getattr(args, "conditional_flags", None) or ():
+        if getattr(args, dest, None) is not None and not applies(args):
+            raise ValueError(f"{flag} does not apply here: {why_not}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Clean exits
+
+
+def silence_stdout() -> None:
+    """After the reader of stdout went away: point stdout at /dev/null, so the interpreter's final flush does not
+    print a second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. captured under a test runner)
+        pass
+
+
+def run(func, *args) -> int:
+    """`func(*args)` with Ctrl-C and a closed stdout pipe turned into quiet exits (130 and 141)."""
+    try:
+        return func(*args)
+    except KeyboardInterrupt:
+        print("\nkivi-jax: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
