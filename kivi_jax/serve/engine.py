@@ -1,0 +1,401 @@
+"""The serving engine (docs/design.md §8): a batch cache of S slots, prefill, insert, one decode step, free. No HTTP.
+
+A slot is FREE (nothing in it), LIVE (a request decoding) or HELD (a finished request's cache, kept for prefix reuse
+until the slot is needed). `admit` prefills a request into a one-sequence cache (in chunks of a static size, starting
+from a held prefix's cache when the prompt extends one), samples its first token and inserts the cache into a slot;
+`step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one.
+
+Every cache leaf is stacked `[layers, batch, ...]` or is `[batch]`; the batch axis of each leaf is derived once by
+comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract` work for any cache kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import secrets
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.cache import make_cache, tree_bytes
+from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.models.llama import Params, forward
+from kivi_jax.serve.sampling import RowSampling, sample_rows, split_rows
+
+PROMPT_BUCKET = 64  # a prompt chunk is padded to a multiple of this (one compilation per bucket, up to the chunk)
+DEFAULT_PREFILL_CHUNK = 512
+
+FREE, LIVE, HELD = "free", "live", "held"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Capacity
+
+
+def abstract_slot_cache(spec, cfg, max_length: int, dtype, batch: int = 1, impl: str = "auto"):
+    """A cache of `batch` slots as ShapeDtypeStructs (no allocation)."""
+    return jax.eval_shape(lambda: make_cache(spec, cfg, batch, max_length, dtype, impl))
+
+
+def slot_bytes(spec, cfg, max_length: int, dtype) -> int:
+    """Bytes one slot of `max_length` tokens takes in the batch cache (every leaf grows linearly with the batch)."""
+    return tree_bytes(abstract_slot_cache(spec, cfg, max_length, dtype))
+
+
+def slots_in_budget(spec, cfg, max_length: int, dtype, budget: int) -> int:
+    """The most slots of `max_length` tokens whose cache fits `budget` bytes."""
+    return int(budget // slot_bytes(spec, cfg, max_length, dtype))
+
+
+def capacity_report(spec, cfg, max_length: int, dtype, budget: int) -> dict:
+    """Slots that fit `budget` for `spec` and for the full-precision cache, with the bytes a slot takes."""
+    out = {"budget_bytes": int(budget), "max_length": max_length}
+    for name, s in (("cache", spec), ("full", "full")):
+        b = slot_bytes(s, cfg, max_length, dtype)
+        out[name] = {"spec": spec_name(parse_cache_spec(s)), "slot_bytes": b, "slots": int(budget // b)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Jitted pieces
+
+
+def batch_axes(spec, cfg, max_length: int, dtype, impl: str = "auto") -> tuple[int, ...]:
+    """The batch axis of every cache leaf (in `tree_leaves` order): where a one-slot and a two-slot cache differ."""
+    one = jax.tree_util.tree_leaves(abstract_slot_cache(spec, cfg, max_length, dtype, 1, impl))
+    two = jax.tree_util.tree_leaves(abstract_slot_cache(spec, cfg, max_length, dtype, 2, impl))
+    axes = []
+    for a, b in zip(one, two):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(diff) != 1 or a.shape[diff[0]] != 1:
+            raise ValueError(f"a cache leaf of shape {a.shape} (one slot) / {b.shape} (two) has no single batch axis")
+        axes.append(diff[0])
+    return tuple(axes)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("batch",))
+def insert_cache(batch, one, slot: jax.Array, axes: tuple[int, ...]):
+    """Copies every leaf of the one-sequence cache `one` into row `slot` of the batch cache (donated): the slot's
+    whole state, lengths and flags included, so nothing of its last occupant survives."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    new = [jax.lax.dynamic_update_slice_in_dim(b, o.astype(b.dtype), slot, axis)
+           for b, o, axis in zip(leaves, jax.tree_util.tree_leaves(one), axes)]
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",))
+def extract_cache(batch, slot: jax.Array, axes: tuple[int, ...]):
+    """Row `slot` of the batch cache as a one-sequence cache (a copy)."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return jax.tree_util.tree_unflatten(
+        treedef, [jax.lax.dynamic_slice_in_dim(b, slot, 1, axis) for b, axis in zip(leaves, axes)])
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def reset_length(cache, slot: jax.Array):
+    """A freed slot's length back to 0, so the decode loop no longer walks its old tokens."""
+    return cache.replace(length=cache.length.at[slot].set(0))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache):
+    """One prompt chunk `tokens [1, chunk]` (`num_new [1]` real) onto `cache` -> (logits of its last real token
+    `[1, vocab]`, cache)."""
+    logits, cache = forward(params, tokens, cache, num_new=num_new, logits_at=num_new - 1)
+    return logits[:, 0], cache
+
+
+@jax.jit
+def sample_first(logits, key, temperature, top_k, top_p):
+    """The first token of a request from its prefill logits `[1, vocab]`, as `generate` draws it; returns the token
+    `[1]` and the key to continue with."""
+    key, sub = split_rows(key)
+    return sample_rows(logits, sub, temperature, top_k, top_p), key
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "keys"))
+def decode_slots(params: Params, tokens, live, cache, keys, temperature, top_k, top_p):
+    """One token for every slot: `tokens [slots]`, `live [slots]` bool (other slots advance by 0 tokens) -> (next
+    tokens `[slots]`, cache, keys)."""
+    logits, cache = forward(params, tokens[:, None], cache, num_new=live.astype(jnp.int32))
+    keys, sub = split_rows(keys)
+    return sample_rows(logits[:, 0], sub, temperature, top_k, top_p), cache, keys
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the cache can do
+
+
+def _relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+
+
+def probe_appends(params: Params, spec, dtype, impl: str = "auto") -> dict:
+    """Whether `forward` can put a prompt chunk onto a cache that already holds tokens, and whether a row given 0 new
+    tokens is left untouched (docs/design.md §7). Chunked prefill needs the first, prefix reuse both.
+
+    Checked numerically on a small cache with one chunk shape (4 tokens, right-padded): 3 tokens at once against
+    2 + 1, and a one-token step with `num_new = 0` that must change no leaf."""
+    spec = parse_cache_spec(spec)
+    cfg = params.config
+    size = 64 if spec == "full" else spec.residual_length
+    ids = np.random.RandomState(0).randint(0, cfg.vocab_size, 3).tolist()
+
+    def chunk(toks, cache):
+        buf = jnp.asarray([toks + [cfg.pad_id] * (4 - len(toks))], jnp.int32)
+        return prefill_chunk(params, buf, jnp.array([len(toks)], jnp.int32), cache)
+
+    whole, _ = chunk(ids, make_cache(spec, cfg, 1, size, dtype, impl))
+    _, half = chunk(ids[:2], make_cache(spec, cfg, 1, size, dtype, impl))
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(half)]
+    _, after = jax.jit(forward)(params, jnp.full((1, 1), cfg.pad_id, jnp.int32), half, jnp.zeros((1,), jnp.int32))
+    untouched = all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree_util.tree_leaves(after)))
+    try:
+        pieces, _ = chunk(ids[2:], half)
+        chunks = _relative_error(whole, pieces) < 1e-2
+    except Exception:  # noqa: BLE001 (a cache that refuses a chunk onto held tokens simply cannot take one)
+        chunks = False
+    return {"chunked_prefill": bool(chunks), "zero_new_untouched": bool(untouched)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class NoFreeSlot(RuntimeError):
+    """Every slot is live."""
+
+
+@dataclasses.dataclass
+class Slot:
+    state: str = FREE
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the tokens the slot's cache holds (fed tokens)
+    last: int = 0  # the token to feed next (sampled, not yet in the cache)
+    sampling: RowSampling = RowSampling(0.0)
+    used_at: float = 0.0  # when it last changed (the least recently used held slot is evicted first)
+
+
+class Engine:
+    """S slots over one batch cache; see the module docstring. Not thread-safe: one thread (the scheduler) owns it."""
+
+    def __init__(
+        self,
+        params: Params,
+        cache: str = "kivi2",
+        slots: int = 4,
+        max_length: int = 4096,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        attention_impl: str = "auto",
+        prefix_reuse: bool = True,
+        probe: bool = True,
+    ):
+        cfg = params.config
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be at least 1")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be at least 1")
+        if not 1 < max_length <= cfg.max_position_embeddings:
+            raise ValueError(f"max_length={max_length} must be in [2, {cfg.max_position_embeddings}] (the model's "
+                             "positions)")
+        self.spec = parse_cache_spec(cache)
+        if self.spec != "full":
+            self.spec.check_shapes(cfg.head_dim, max_length)
+        self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
+        self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
+        self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
+        self.cache = make_cache(self.spec, cfg, slots, max_length, self.dtype, attention_impl)
+        self.slot_bytes = slot_bytes(self.spec, cfg, max_length, self.dtype)
+        self.slots = [Slot() for _ in range(slots)]
+        self.keys = jnp.zeros((slots, 2), jnp.uint32)
+        self.eos = frozenset(cfg.eos_token_ids)
+        self.abilities = (probe_appends(params, self.spec, self.dtype, attention_impl) if probe
+                          else {"chunked_prefill": True, "zero_new_untouched": True})
+        self.chunked = self.abilities["chunked_prefill"]
+        self.prefix_reuse = prefix_reuse and self.chunked and self.abilities["zero_new_untouched"]
+        if prefix_reuse and not self.prefix_reuse:
+            warnings.warn("this cache cannot yet take a prompt chunk onto held tokens (docs/design.md §7): prompts "
+                          "are prefilled in one piece and prefix reuse is off", RuntimeWarning, stacklevel=2)
+        self.counters = {"prefill_tokens_computed": 0, "prefix_tokens_reused": 0, "decode_steps": 0,
+                         "tokens_generated": 0, "requests_admitted": 0}
+        self.peak_live = 0
+
+    # -- queries ------------------------------------------------------------------------------------------------------
+
+    @property
+    def spec_name(self) -> str:
+        return spec_name(self.spec)
+
+    def count(self, state: str) -> int:
+        return sum(s.state == state for s in self.slots)
+
+    def live_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s.state == LIVE]
+
+    def has_free_slot(self) -> bool:
+        return any(s.state != LIVE for s in self.slots)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    @property
+    def cache_bytes_in_use(self) -> int:
+        """Bytes of the slots that hold something (live or held)."""
+        return self.slot_bytes * (self.num_slots - self.count(FREE))
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError (with the limits) unless a prompt of this many tokens plus `max_tokens` fits a slot."""
+        if prompt_tokens < 1:
+            raise ValueError("the prompt has no tokens")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be at least 1")
+        if prompt_tokens + max_tokens > self.max_length:
+            raise ValueError(
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: {prompt_tokens + max_tokens} "
+                f"tokens do not fit a slot of {self.max_length} tokens; shorten the prompt to at most "
+                f"{max(self.max_length - max_tokens, 0)} tokens or lower max_tokens to at most "
+                f"{max(self.max_length - prompt_tokens, 0)}")
+
+    # -- prefill and insert -------------------------------------------------------------------------------------------
+
+    def _bucket(self, n: int) -> int:
+        return min(-(-n // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_length)
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """(start, padded size) of each prefill chunk for `n` tokens: `prefill_chunk` tokens each, the last one padded
+        to a bucket; one piece when this cache cannot take chunks onto held tokens."""
+        if not self.chunked:
+            return [(0, self._bucket(n))]
+        out, start = [], 0
+        while start < n:
+            size = min(self.prefill_chunk, n - start)
+            out.append((start, size if size == self.prefill_chunk else self._bucket(size)))
+            start += size
+        return out
+
+    def fresh_cache(self):
+        return make_cache(self.spec, self.cfg, 1, self.max_length, self.dtype, self.impl)
+
+    def prefill(self, tokens: list[int], cache=None):
+        """Prefills `tokens` onto a one-sequence `cache` (default: a fresh one) -> (logits of the last token
+        `[1, vocab]`, the cache)."""
+        cache = self.fresh_cache() if cache is None else cache
+        logits = None
+        for start, size in self.chunks(len(tokens)):
+            part = tokens[start : start + size]
+            buf = np.full((1, size), self.cfg.pad_id, np.int32)
+            buf[0, : len(part)] = part
+            logits, cache = prefill_chunk(self.params, jnp.asarray(buf), jnp.array([len(part)], jnp.int32), cache)
+        return logits, cache
+
+    def insert(self, seq_cache, slot: int) -> None:
+        """Copies a one-sequence cache into batch row `slot` (jitted, the batch cache donated)."""
+        self.cache = insert_cache(self.cache, seq_cache, jnp.int32(slot), self.axes)
+
+    def extract(self, slot: int):
+        """Batch row `slot` as a one-sequence cache (a copy)."""
+        return extract_cache(self.cache, jnp.int32(slot), self.axes)
+
+    def _reusable(self, prompt: list[int]) -> int | None:
+        """The held slot with the longest token list that is a proper prefix of `prompt` (None if there is none)."""
+        if not self.prefix_reuse:
+            return None
+        best, best_len = None, 0
+        for i, s in enumerate(self.slots):
+            n = len(s.tokens)
+            if s.state == HELD and best_len < n < len(prompt) and prompt[:n] == s.tokens:
+                best, best_len = i, n
+        return best
+
+    def _pick_slot(self) -> int:
+        free = [i for i, s in enumerate(self.slots) if s.state == FREE]
+        if free:
+            return free[0]
+        held = [i for i, s in enumerate(self.slots) if s.state == HELD]
+        if not held:
+            raise NoFreeSlot(f"all {self.num_slots} slots are live")
+        return min(held, key=lambda i: self.slots[i].used_at)
+
+    def admit(self, prompt: list[int], sampling: RowSampling) -> tuple[int, int]:
+        """Prefills `prompt` (reusing a held prefix when one matches), samples its first token and puts it in a slot.
+        Returns (slot, first token). The slot is live until `finish`."""
+        self.check_fits(len(prompt), 1)
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        slot = self._reusable(prompt)
+        if slot is not None:
+            start, seq = len(self.slots[slot].tokens), self.extract(slot)
+        else:
+            slot, start, seq = self._pick_slot(), 0, None
+        logits, seq = self.prefill(prompt[start:], seq)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        key = jax.random.PRNGKey(seed)[None]
+        first, key = sample_first(logits, key, *self._row_arrays([sampling]))
+        self.insert(seq, slot)
+        self.keys = self.keys.at[slot].set(key[0])
+        token = int(np.asarray(first)[0])
+        self.slots[slot] = Slot(LIVE, list(prompt), token, sampling, time.monotonic())
+        self.counters["prefill_tokens_computed"] += len(prompt) - start
+        self.counters["prefix_tokens_reused"] += start
+        self.counters["requests_admitted"] += 1
+        self.counters["tokens_generated"] += 1
+        self.peak_live = max(self.peak_live, self.count(LIVE))
+        return slot, token
+
+    # -- decode -------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _row_arrays(rows: list[RowSampling]):
+        temperature = jnp.asarray(np.array([r.temperature for r in rows], np.float32))
+        top_k = jnp.asarray(np.array([r.top_k for r in rows], np.int32))
+        top_p = jnp.asarray(np.array([r.top_p for r in rows], np.float32))
+        return temperature, top_k, top_p
+
+    def step(self) -> dict[int, int]:
+        """Feeds every live slot its last token and samples the next: {slot: new token}. Free and held slots get a
+        pad token and 0 new tokens."""
+        live = self.live_slots()
+        if not live:
+            return {}
+        tokens = np.full(self.num_slots, self.cfg.pad_id, np.int32)
+        mask = np.zeros(self.num_slots, bool)
+        for i in live:
+            tokens[i], mask[i] = self.slots[i].last, True
+        rows = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in self.slots]
+        nxt, self.cache, self.keys = decode_slots(self.params, jnp.asarray(tokens), jnp.asarray(mask), self.cache,
+                                                  self.keys, *self._row_arrays(rows))
+        host = np.asarray(nxt)
+        out = {}
+        for i in live:
+            s = self.slots[i]
+            s.tokens.append(s.last)
+            s.last = int(host[i])
+            out[i] = s.last
+        self.counters["decode_steps"] += 1
+        self.counters["tokens_generated"] += len(live)
+        return out
+
+    def finish(self, slot: int, hold: bool = True) -> None:
+        """Ends the slot's request: its cache stays as a held prefix (when prefix reuse is on) or the slot is freed."""
+        s = self.slots[slot]
+        if hold and self.prefix_reuse:
+            s.state, s.used_at = HELD, time.monotonic()
+        else:
+            self.free(slot)
+
+    def free(self, slot: int) -> None:
+        """Empties a slot (its next `insert` overwrites every leaf of it)."""
+        self.slots[slot] = Slot()
+        self.cache = reset_length(self.cache, jnp.int32(slot))
+
+    def metrics(self) -> dict:
+        return {"slots": self.num_slots, "live": self.count(LIVE), "held": self.count(HELD), "free": self.count(FREE),
+                "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
+                "cache_bytes_in_use": self.cache_bytes_in_use, **self.counters}
