@@ -1,4 +1,4 @@
-"""`kivi-jax generate | convert | eval | bench`."""
+"""`kivi-jax generate | convert | eval | bench | serve`."""
 
 from __future__ import annotations
 
@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_bench_parser(sub)
+    from kivi_jax.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -96,6 +96,7 @@ class Scheduler:
         self._recent = collections.deque()  # (time, tokens) of the last TOKENS_PER_S_WINDOW seconds
         self._stop, self._run = threading.Event(), threading.Event()
         self._run.set()
+        self._lock = threading.Lock()  # held by the loop for one iteration, or by `paused` for its whole block
         self._thread: threading.Thread | None = None
         self.error: str | None = None
 
@@ -126,11 +127,12 @@ class Scheduler:
 
     @contextlib.contextmanager
     def paused(self):
-        """Admits and decodes nothing inside the block (requests still queue, and the bound still holds)."""
+        """Admits and decodes nothing inside the block (requests still queue, and the bound still holds); an
+        iteration in progress ends first."""
         self._run.clear()
-        time.sleep(0.05)  # let a loop iteration in progress end
         try:
-            yield self
+            with self._lock:
+                yield self
         finally:
             self._run.set()
 
@@ -160,7 +162,9 @@ class Scheduler:
             if self._stop.is_set():
                 break
             try:
-                self._iteration()
+                with self._lock:
+                    if self._run.is_set():
+                        self._iteration()
             except Exception:  # noqa: BLE001 (the server must keep serving; each active request hears why)
                 self.error = traceback.format_exc()
                 for slot, req in list(self.active.items()):
@@ -201,8 +205,6 @@ class Scheduler:
             req.slot = slot
             self._recent.append((time.monotonic(), 1))
             self._on_token(req, slot, token)
-            if not self._run.is_set():
-                return
 
     def _fail(self, req: Request, message: str) -> None:
         self.counters["requests_failed"] += 1
