@@ -7,13 +7,13 @@ import json
 import sys
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The model, cache and capacity flags (shared with `kivi-jax bench serve`)."""
+def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> None:
+    """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
     from kivi_jax.cli import add_cache_args, add_model_args
     from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK
 
     add_model_args(p)
-    add_cache_args(p)
+    add_cache_args(p, cache_default)
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--slots", type=int, default=None, help="sequences decoded together (default 8)")
     cap.add_argument("--cache-budget", default=None,

@@ -57,15 +57,19 @@ def sample_rows(
     """Next tokens `[batch]` int32 from float32 logits `[batch, vocab]`, keys `[batch, 2]` and per-row settings
     `temperature [batch]` (0 = greedy), `top_k [batch]` int (0 = none), `top_p [batch]` (1 = none).
 
-    The sort behind top-k/top-p runs only when some sampled row asks for a cut (a `lax.cond`), so a batch of greedy
-    or plain-temperature rows costs no sort."""
+    The random draw runs only when some row samples, and the sort behind top-k/top-p only when some sampled row asks
+    for a cut (`lax.cond`s): an all-greedy batch costs an argmax, a plain-temperature one no sort."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_row = temperature > 0
     needs_cut = jnp.any(sampled_row & ((top_k > 0) | (top_p < 1)))
-    plain = logits / jnp.where(sampled_row, temperature, 1.0)[:, None]
-    x = jax.lax.cond(needs_cut, lambda: _cut(logits, temperature, top_k, top_p), lambda: plain)
-    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, x).astype(jnp.int32)
-    return jnp.where(sampled_row, sampled, greedy)
+
+    def draw():
+        plain = logits / jnp.where(sampled_row, temperature, 1.0)[:, None]
+        x = jax.lax.cond(needs_cut, lambda: _cut(logits, temperature, top_k, top_p), lambda: plain)
+        sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, x).astype(jnp.int32)
+        return jnp.where(sampled_row, sampled, greedy)
+
+    return jax.lax.cond(jnp.any(sampled_row), draw, lambda: greedy)
 
 
 def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -34,12 +34,13 @@ class Server:
         e, c = self.engine, self.capacity
         line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
                 f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
-        if "budget_bytes" in c:
-            line += (f"; the budget of {format_bytes(c['budget_bytes'])} would fit {c['full']['slots']} slots of the "
-                     f"full-precision cache ({format_bytes(c['full']['slot_bytes'])} a slot)")
-        else:
-            line += (f"; the full-precision cache would take {format_bytes(c['full']['slot_bytes'])} a slot, "
-                     f"{format_bytes(c['full']['slot_bytes'] * e.num_slots)} in all")
+        full = c["full"]
+        if e.spec != "full" and "budget_bytes" in c:
+            line += (f"; the budget of {format_bytes(c['budget_bytes'])} would fit {full['slots']} slots of the "
+                     f"full-precision cache ({format_bytes(full['slot_bytes'])} a slot)")
+        elif e.spec != "full":
+            line += (f"; the full-precision cache would take {format_bytes(full['slot_bytes'])} a slot, "
+                     f"{format_bytes(full['slot_bytes'] * e.num_slots)} in all")
         if not e.chunked:
             line += "; prompts prefill in one piece (chunks onto held tokens need docs/design.md §7)"
         line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
