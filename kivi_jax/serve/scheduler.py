@@ -103,6 +103,8 @@ class Scheduler:
     # -- the outside --------------------------------------------------------------------------------------------------
 
     def submit(self, req: Request) -> Request:
+        """Queues `req`; ValueError if it cannot fit a slot, QueueFull (at once) past the queue bound."""
+        self.engine.check_fits(len(req.prompt), req.max_tokens)
         try:
             self.queue.put_nowait(req)
         except queue.Full:

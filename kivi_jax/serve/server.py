@@ -53,7 +53,10 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  probe: bool = True) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes."""
-    from kivi_jax.serve.http import create_app
+    try:
+        from kivi_jax.serve.http import create_app
+    except ImportError as e:
+        raise RuntimeError(f"serving needs FastAPI and uvicorn ({e}): pip install 'kivi-jax[serve]'") from e
 
     params, tokenizer = model.params, model.tokenizer
     spec = parse_cache_spec(cache)
