@@ -55,8 +55,9 @@ def served(model):
     from kivi_jax.serve.http import ServerThread
     from kivi_jax.serve.server import build_server
 
+    # two decode groups of two slots: concurrent requests span both, an idle group is skipped
     server = build_server(model, SPEC, slots=SLOTS, max_length=MAX_LENGTH, prefill_chunk=64, max_queue=MAX_QUEUE,
-                          model_name=MODEL)
+                          model_name=MODEL, decode_group=2)
     with ServerThread(server.app) as thread:
         yield server, thread.url
 
@@ -140,6 +141,7 @@ def test_models_health_metrics(served):
     server, url = served
     models = httpx.get(url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert server.engine.groups == [(0, 2), (2, 2)]
     health = httpx.get(url + "/health").json()
     assert health["status"] == "ok" and health["slots"] == SLOTS
     metrics = httpx.get(url + "/metrics")

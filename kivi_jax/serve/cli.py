@@ -23,6 +23,9 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help=f"prompt tokens prefilled per step (default {DEFAULT_PREFILL_CHUNK}; one compilation each)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; past it: 503")
+    p.add_argument("--decode-group", type=int, default=None,
+                   help="decode the slots in groups of this many, skipping groups with no live request (default: "
+                        "all slots in one step; on a compute-bound CPU, idle slots otherwise cost time)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
 
@@ -51,7 +54,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True)
     return build_server(model, spec, slots=args.slots, cache_budget=budget, max_length=args.max_length,
                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,
-                        model_name=model_name or args.model)
+                        model_name=model_name or args.model, decode_group=args.decode_group)
 
 
 def cmd_serve(args) -> int:

@@ -3,7 +3,9 @@
 A slot is FREE (nothing in it), LIVE (a request decoding) or HELD (a finished request's cache, kept for prefix reuse
 until the slot is needed). `admit` prefills a request into a one-sequence cache (in chunks of a static size, starting
 from a held prefix's cache when the prompt extends one), samples its first token and inserts the cache into a slot;
-`step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one.
+`step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one. With
+`decode_group` the slots are split into groups, each its own batch cache, and a step calls the one jitted decode once
+per group that holds a live slot (one compilation; idle groups cost nothing).
 
 Every cache leaf is stacked `[layers, batch, ...]` or is `[batch]`; the batch axis of each leaf is derived once by
 comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract` work for any cache kind.
@@ -194,10 +196,13 @@ class Engine:
         attention_impl: str = "auto",
         prefix_reuse: bool = True,
         probe: bool = True,
+        decode_group: int | None = None,
     ):
         cfg = params.config
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
+        if decode_group is not None and decode_group < 1:
+            raise ValueError(f"decode_group={decode_group} must be at least 1 (or None: all slots in one step)")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be at least 1")
         if not 1 < max_length <= cfg.max_position_embeddings:
@@ -209,10 +214,14 @@ class Engine:
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
-        self.cache = make_cache(self.spec, cfg, slots, max_length, self.dtype, attention_impl)
+        # Slots in groups of `decode_group` (default: one group of all), each group its own batch cache: a decode
+        # step runs one jitted call per group holding a live slot, so idle groups cost nothing.
+        group = min(decode_group or slots, slots)
+        self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
+        self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl) for _, n in self.groups]
+        self.keys = [jnp.zeros((n, 2), jnp.uint32) for _, n in self.groups]
         self.slot_bytes = slot_bytes(self.spec, cfg, max_length, self.dtype)
         self.slots = [Slot() for _ in range(slots)]
-        self.keys = jnp.zeros((slots, 2), jnp.uint32)
         self.eos = frozenset(cfg.eos_token_ids)
         self.abilities = (probe_appends(params, self.spec, self.dtype, attention_impl) if probe
                           else {"chunked_prefill": True, "zero_new_untouched": True})
@@ -294,13 +303,22 @@ class Engine:
             logits, cache = prefill_chunk(self.params, jnp.asarray(buf), jnp.array([len(part)], jnp.int32), cache)
         return logits, cache
 
+    def _where(self, slot: int) -> tuple[int, int]:
+        """(group, row in the group's batch cache) of a slot."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} is not in [0, {self.num_slots})")
+        group = slot // self.groups[0][1]
+        return group, slot - self.groups[group][0]
+
     def insert(self, seq_cache, slot: int) -> None:
         """Copies a one-sequence cache into batch row `slot` (jitted, the batch cache donated)."""
-        self.cache = insert_cache(self.cache, seq_cache, jnp.int32(slot), self.axes)
+        g, row = self._where(slot)
+        self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), self.axes)
 
     def extract(self, slot: int):
         """Batch row `slot` as a one-sequence cache (a copy)."""
-        return extract_cache(self.cache, jnp.int32(slot), self.axes)
+        g, row = self._where(slot)
+        return extract_cache(self.caches[g], jnp.int32(row), self.axes)
 
     def _reusable(self, prompt: list[int]) -> int | None:
         """The held slot with the longest token list that is a proper prefix of `prompt` (None if there is none)."""
@@ -339,7 +357,8 @@ class Engine:
         key = jax.random.PRNGKey(seed)[None]
         first, key = sample_first(logits, key, *self._row_arrays([sampling]))
         self.insert(seq, slot)
-        self.keys = self.keys.at[slot].set(key[0])
+        g, row = self._where(slot)
+        self.keys[g] = self.keys[g].at[row].set(key[0])
         token = int(np.asarray(first)[0])
         self.slots[slot] = Slot(LIVE, list(prompt), token, sampling, time.monotonic())
         self.counters["prefill_tokens_computed"] += len(prompt) - start
@@ -360,18 +379,25 @@ class Engine:
 
     def step(self) -> dict[int, int]:
         """Feeds every live slot its last token and samples the next: {slot: new token}. Free and held slots get a
-        pad token and 0 new tokens."""
+        pad token and 0 new tokens; a group without a live slot is not run."""
         live = self.live_slots()
         if not live:
             return {}
-        tokens = np.full(self.num_slots, self.cfg.pad_id, np.int32)
-        mask = np.zeros(self.num_slots, bool)
-        for i in live:
-            tokens[i], mask[i] = self.slots[i].last, True
-        rows = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in self.slots]
-        nxt, self.cache, self.keys = decode_slots(self.params, jnp.asarray(tokens), jnp.asarray(mask), self.cache,
-                                                  self.keys, *self._row_arrays(rows))
-        host = np.asarray(nxt)
+        pending = []
+        for g, (first, n) in enumerate(self.groups):
+            rows = self.slots[first : first + n]
+            if not any(s.state == LIVE for s in rows):
+                continue
+            mask = np.array([s.state == LIVE for s in rows])
+            tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
+            sampling = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in rows]
+            nxt, self.caches[g], self.keys[g] = decode_slots(self.params, jnp.asarray(tokens), jnp.asarray(mask),
+                                                             self.caches[g], self.keys[g], *self._row_arrays(sampling))
+            pending.append((first, nxt))  # every group is dispatched before any result is read
+        host = np.zeros(self.num_slots, np.int64)
+        for first, nxt in pending:
+            values = np.asarray(nxt)
+            host[first : first + len(values)] = values
         out = {}
         for i in live:
             s = self.slots[i]
@@ -393,9 +419,10 @@ class Engine:
     def free(self, slot: int) -> None:
         """Empties a slot (its next `insert` overwrites every leaf of it)."""
         self.slots[slot] = Slot()
-        self.cache = reset_length(self.cache, jnp.int32(slot))
+        g, row = self._where(slot)
+        self.caches[g] = reset_length(self.caches[g], jnp.int32(row))
 
     def metrics(self) -> dict:
-        return {"slots": self.num_slots, "live": self.count(LIVE), "held": self.count(HELD), "free": self.count(FREE),
+        return {"slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE), "held": self.count(HELD), "free": self.count(FREE),
                 "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
                 "cache_bytes_in_use": self.cache_bytes_in_use, **self.counters}

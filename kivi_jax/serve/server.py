@@ -43,6 +43,8 @@ class Server:
                      f"{format_bytes(full['slot_bytes'] * e.num_slots)} in all")
         if not e.chunked:
             line += "; prompts prefill in one piece (chunks onto held tokens need docs/design.md §7)"
+        if len(e.groups) > 1:
+            line += f"; decoded in {len(e.groups)} groups of up to {e.groups[0][1]} slots"
         line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
         return line
 
@@ -50,7 +52,7 @@ class Server:
 def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget: int | None = None,
                  max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = 64,
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
-                 probe: bool = True) -> Server:
+                 probe: bool = True, decode_group: int | None = None) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes."""
     try:
@@ -77,6 +79,6 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                              "or lower --max-length")
     capacity["slots"] = slots
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
-                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, probe=probe)
+                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, probe=probe, decode_group=decode_group)
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
     return Server(engine, scheduler, create_app(scheduler, model_name), model_name, capacity)
