@@ -126,6 +126,23 @@ def test_batch_axes_and_slot_bytes(model, spec):
         assert report["full"]["slots"] < 10  # the same budget holds fewer full-precision slots
 
 
+def test_cli_flags():
+    from kivi_jax.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--cache", "kivi4", "--cache-budget", "2GiB", "--max-length", "1024",
+                              "--port", "9000", "--decode-group", "8"])
+    assert (args.cache, args.cache_budget, args.slots, args.max_length, args.port, args.decode_group) == (
+        "kivi4", "2GiB", None, 1024, 9000, 8)
+    with pytest.raises(SystemExit):  # a slot count or a budget, not both
+        parser.parse_args(["serve", "--slots", "4", "--cache-budget", "2GiB"])
+    bench = parser.parse_args(["bench", "serve", "--clients", "1,8", "--url", "http://127.0.0.1:8000"])
+    assert bench.clients == [1, 8] and bench.cache == "full,kivi2"
+    from kivi_jax.cli import main
+
+    assert main(["bench", "serve", "--url", "http://10.1.2.3:8000"]) == 2  # loopback only
+
+
 def test_held_back_text():
     assert held_back("hello wor", ("world",)) == 3
     assert held_back("hello", ("xyz",)) == 0
