@@ -139,21 +139,20 @@ def plot_serve(rows: list[dict], title: str, path) -> str:
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for cache in dict.fromkeys(r["cache"] for r in rows):
+    for i, cache in enumerate(dict.fromkeys(r["cache"] for r in rows)):
         pts = [r for r in rows if r["cache"] == cache]
-        x = [r["clients"] for r in pts]
-        axes[0].plot(x, [r["output_tokens_per_s"] for r in pts], marker="o", label=cache)
-        axes[1].plot(x, [r["ttft_ms_p50"] for r in pts], marker="o", label=f"{cache} p50")
-        axes[1].plot(x, [r["ttft_ms_p99"] for r in pts], marker="x", ls="--", label=f"{cache} p99")
-        axes[2].plot(x, [r["itl_ms_p50"] for r in pts], marker="o", label=f"{cache} p50")
-        axes[2].plot(x, [r["itl_ms_p99"] for r in pts], marker="x", ls="--", label=f"{cache} p99")
+        x, color = [r["clients"] for r in pts], f"C{i}"
+        axes[0].plot(x, [r["output_tokens_per_s"] for r in pts], marker="o", color=color, label=cache)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            ax.plot(x, [r[f"{key}_p50"] for r in pts], marker="o", color=color, label=f"{cache} p50")
+            ax.plot(x, [r[f"{key}_p99"] for r in pts], marker="x", ls="--", color=color, label=f"{cache} p99")
     for ax, ylabel in zip(axes, ("output tokens/s", "time to first token (ms)", "inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_title(title, fontsize=9)
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 
