@@ -70,6 +70,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1)
     if cache_budget is None:
         capacity.pop("budget_bytes")
+        for part in ("cache", "full"):
+            capacity[part].pop("slots")
         slots = DEFAULT_SLOTS if slots is None else slots
     else:
         slots = capacity["cache"]["slots"]
