@@ -188,6 +188,18 @@ def test_completion_streaming_and_not(model, client):
     assert chunks[-1].usage.completion_tokens == ref.new_tokens
 
 
+def test_stop_strings_end_the_text_before_them(model, client):
+    ref = reference(model, "hello world", 12)
+    stop = ref.text[4:6]
+    cut = ref.text.index(stop)
+    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0, stop=[stop, "\x00"])
+    assert out.choices[0].text == ref.text[:cut] and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_chat_streaming_and_not(model, client):
     messages = [{"role": "user", "content": "hi there"}]
     ref = reference(model, "hi there", 10, chat=True)

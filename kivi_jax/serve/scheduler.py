@@ -171,7 +171,8 @@ class Scheduler:
                 self.error = traceback.format_exc()
                 for slot, req in list(self.active.items()):
                     self._fail(req, f"the engine failed: {self.error.strip().splitlines()[-1]}")
-                    self.engine.free(slot)
+                    with contextlib.suppress(Exception):
+                        self.engine.free(slot)
                 self.active.clear()
 
     def _iteration(self) -> None:
