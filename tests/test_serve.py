@@ -6,7 +6,6 @@ within a few tokens), so the decode step, the prefill bucket and the insert comp
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
