@@ -6,6 +6,7 @@ within a few tokens), so the decode step, the prefill bucket and the insert comp
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -315,6 +316,22 @@ def test_queue_full_answers_503_at_once_and_loses_nothing(model, served):
         assert results[i].status_code == 200
         assert results[i].json()["choices"][0]["token_ids"] == reference(model, p, 5).token_ids
     assert sched.counters["requests_finished"] == finished_before + MAX_QUEUE
+
+
+def test_bench_serve_against_the_running_server(served, capsys, tmp_path):
+    from kivi_jax.cli import main
+
+    _, url = served
+    plot = tmp_path / "serve.png"
+    assert main(["bench", "serve", "--url", url, "--served-model-name", MODEL, "--clients", "1,3", "--max-tokens", "4",
+                 "--requests-per-client", "1", "--json", "--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["results"]
+    assert [(r["clients"], r["ok"], r["requests"]) for r in rows] == [(1, 1, 1), (3, 3, 3)]
+    for r in rows:
+        assert 0 < r["output_tokens"] <= 4 * r["ok"] and r["ttft_ms_p50"] > 0 and r["requests_per_s"] > 0
+        assert 1 <= r["peak_live_slots"] <= SLOTS
+    assert plot.stat().st_size > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -109,7 +109,12 @@ def peak_live_from_metrics(url: str) -> int | None:
 def bench_server(url: str, model: str, args, engine=None, label: str = "") -> list[dict]:
     """Every client count against one server; `engine` (in-process) lets the peak of live slots reset per level."""
     rows = []
-    stream_one(__import__("httpx").Client(timeout=3600), url, model, PROMPTS[0], args.max_tokens)  # compile
+    import httpx
+
+    with httpx.Client(timeout=3600) as http:
+        first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+    if first["status"] != 200:
+        raise RuntimeError(f"the server at {url} answered a test request with HTTP {first['status']}")
     for clients in args.clients:
         if engine is not None:
             engine.peak_live = 0
