@@ -159,7 +159,9 @@ def probe_appends(params: Params, spec, dtype, impl: str = "auto") -> dict:
     untouched = all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree_util.tree_leaves(after)))
     try:
         pieces, _ = chunk(ids[2:], half)
-        chunks = _relative_error(whole, pieces) < 1e-2
+        # A cache that ignores what it holds misses by 0.3 (SmolLM2) to 0.6 (tiny test model); rounding in
+        # bfloat16 stays near 1e-2.
+        chunks = _relative_error(whole, pieces) < 0.05
     except Exception:  # noqa: BLE001 (a cache that refuses a chunk onto held tokens simply cannot take one)
         chunks = False
     return {"chunked_prefill": bool(chunks), "zero_new_untouched": bool(untouched)}
