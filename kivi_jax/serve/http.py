@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kivi_jax.serve.sampling import RowSampling
-from kivi_jax.serve.scheduler import Event, QueueFull, Request, Scheduler
+from kivi_jax.serve.scheduler import TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler
 
 MAX_STOP_STRINGS = 4
 # Accepted and ignored (they change nothing here) or accepted only at their default value.
@@ -331,7 +331,8 @@ class API:
             ("peak_live_slots", "gauge", "most slots live at once since start", m["peak_live"]),
             ("queue_length", "gauge", "requests waiting for a slot", m["queue_length"]),
             ("queue_capacity", "gauge", "the queue bound (past it: 503)", m["max_queue"]),
-            ("tokens_per_second", "gauge", f"generated tokens a second over the last {10:g} s", m["tokens_per_s"]),
+            ("tokens_per_second", "gauge", f"generated tokens a second over the last {TOKENS_PER_S_WINDOW:g} s",
+             m["tokens_per_s"]),
             ("cache_bytes", "gauge", "bytes of the batch cache", m["cache_bytes"]),
             ("cache_bytes_in_use", "gauge", "bytes of the slots that hold a live or held sequence",
              m["cache_bytes_in_use"]),

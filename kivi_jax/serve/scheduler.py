@@ -22,6 +22,8 @@ from kivi_jax.serve.engine import Engine
 from kivi_jax.serve.sampling import RowSampling
 
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is averaged
+COUNTERS = ("requests_queued", "requests_rejected", "requests_finished", "requests_cancelled", "requests_failed",
+            "prompt_tokens", "completion_tokens")
 
 
 class QueueFull(RuntimeError):
@@ -92,8 +94,10 @@ class Scheduler:
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer must not encode and decode at once
         self.queue: queue.Queue[Request] = queue.Queue(max_queue)
         self.active: dict[int, Request] = {}
-        self.counters = collections.Counter()
+        # every key exists from the start, so the HTTP thread can read while the loop counts (no dict resizes)
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._recent = collections.deque()  # (time, tokens) of the last TOKENS_PER_S_WINDOW seconds
+        self._recent_lock = threading.Lock()  # the HTTP thread reads it while the loop appends
         self._stop, self._run = threading.Event(), threading.Event()
         self._run.set()
         self._lock = threading.Lock()  # held by the loop for one iteration, or by `paused` for its whole block
@@ -138,11 +142,16 @@ class Scheduler:
         finally:
             self._run.set()
 
+    def _count_tokens(self, n: int) -> None:
+        with self._recent_lock:
+            self._recent.append((time.monotonic(), n))
+
     def tokens_per_s(self) -> float:
         now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW:
-            self._recent.popleft()
-        return sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW
+        with self._recent_lock:
+            while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW
 
     def metrics(self) -> dict:
         return {**self.engine.metrics(), "queue_length": self.queue.qsize(), "max_queue": self.max_queue,
@@ -185,7 +194,7 @@ class Scheduler:
         if not self.active:
             return
         out = self.engine.step()
-        self._recent.append((time.monotonic(), len(out)))
+        self._count_tokens(len(out))
         for slot, token in out.items():
             self._on_token(self.active[slot], slot, token)
 
@@ -206,7 +215,7 @@ class Scheduler:
                 continue
             self.active[slot] = req
             req.slot = slot
-            self._recent.append((time.monotonic(), 1))
+            self._count_tokens(1)
             self._on_token(req, slot, token)
 
     def _fail(self, req: Request, message: str) -> None:
