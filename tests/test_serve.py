@@ -192,7 +192,8 @@ def test_stop_strings_end_the_text_before_them(model, client):
     ref = reference(model, "hello world", 12)
     stop = ref.text[4:6]
     cut = ref.text.index(stop)
-    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0, stop=[stop, "\x00"])
+    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0,
+                                    stop=[stop, "\x00"])
     assert out.choices[0].text == ref.text[:cut] and out.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0,
                                             stop=stop, stream=True))

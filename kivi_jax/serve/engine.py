@@ -424,6 +424,6 @@ class Engine:
         self.caches[g] = reset_length(self.caches[g], jnp.int32(row))
 
     def metrics(self) -> dict:
-        return {"slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE), "held": self.count(HELD), "free": self.count(FREE),
-                "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
+        return {"slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE),
+                "held": self.count(HELD), "free": self.count(FREE), "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
                 "cache_bytes_in_use": self.cache_bytes_in_use, **self.counters}
