@@ -1,4 +1,4 @@
-"""`kivi-jax bench decode | memory | generate`: run a benchmark, print a table (or one JSON object), write a plot."""
+"""`kivi-jax bench decode | memory | generate | serve`: run a benchmark, print a table (or one JSON object), write a plot."""
 
 from __future__ import annotations
 
@@ -87,6 +87,10 @@ def add_bench_commands(sub) -> None:
     g.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
     g.add_argument("--repeats", type=integer(1), default=3, help="timed runs per configuration (default 3)")
     g.set_defaults(func=cmd_generate)
+
+    from kivi_jax.serve.loadtest import add_serve_bench
+
+    add_serve_bench(sub)
 
 
 def _table(header: list[str], rows: list[list]) -> str:

@@ -1,4 +1,4 @@
-"""`kivi-jax generate | chat | convert | eval | bench`."""
+"""`kivi-jax generate | chat | serve | convert | eval | bench`."""
 
 from __future__ import annotations
 
@@ -491,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_bench_parser(sub)
+    from kivi_jax.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

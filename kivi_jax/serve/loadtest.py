@@ -1,0 +1,234 @@
+"""`kivi-jax bench serve`: a load benchmark of the server with concurrent streaming clients.
+
+The server runs in this process (one per cache spec, each built with the same capacity flags) or is reached at
+`--url` (loopback only). For each client count, that many threads each send `--requests-per-client` streaming chat
+requests from a fixed prompt set, within a time limit; the run reports requests/s, output tokens/s, time to first
+token and inter-token latency (p50, p99) and the most slots live at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+import numpy as np
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Give one word that rhymes with cat.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water?",
+    "Say hello in Spanish.",
+    "How many legs does a spider have?",
+)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def stream_one(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streaming chat request; returns its send time, chunk arrival times and output tokens."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals, tokens, status = [], 0, None
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        status = r.status_code
+        if status != 200:
+            r.read()
+            return {"status": status, "sent": t0, "arrivals": [], "tokens": 0, "end": time.perf_counter()}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices", []):
+                n = len(c.get("token_ids") or []) or (1 if c.get("delta", {}).get("content") else 0)
+                if n:
+                    arrivals.append(time.perf_counter())
+    return {"status": status, "sent": t0, "arrivals": arrivals, "tokens": tokens, "end": time.perf_counter()}
+
+
+def _pct(values, q) -> float | None:
+    return round(float(np.percentile(values, q)) * 1000, 2) if len(values) else None
+
+
+def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: int, time_limit: float) -> dict:
+    """`clients` threads, each sending up to `per_client` requests (stopping at `time_limit` seconds)."""
+    import httpx
+
+    results: list[dict] = []
+    lock = threading.Lock()
+    t_start = time.perf_counter()
+
+    def client_loop(c: int) -> None:
+        with httpx.Client(timeout=max(time_limit, 60) * 2) as http:
+            for k in range(per_client):
+                if time.perf_counter() - t_start > time_limit:
+                    return
+                r = stream_one(http, url, model, PROMPTS[(c * per_client + k) % len(PROMPTS)], max_tokens)
+                with lock:
+                    results.append(r)
+
+    threads = [threading.Thread(target=client_loop, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(time_limit * 4 + 120)
+    wall = time.perf_counter() - t_start
+    ok = [r for r in results if r["status"] == 200 and r["arrivals"]]
+    ttft = [r["arrivals"][0] - r["sent"] for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    out_tokens = sum(r["tokens"] for r in ok)
+    return {"clients": clients, "requests": len(results), "ok": len(ok),
+            "rejected": sum(r["status"] == 503 for r in results), "seconds": round(wall, 3),
+            "requests_per_s": round(len(ok) / wall, 4), "output_tokens": out_tokens,
+            "output_tokens_per_s": round(out_tokens / wall, 3),
+            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+            "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99)}
+
+
+def peak_live_from_metrics(url: str) -> int | None:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("kivi_serve_peak_live_slots "):
+            return int(float(line.split()[1]))
+    return None
+
+
+def bench_server(url: str, model: str, args, engine=None, label: str = "") -> list[dict]:
+    """Every client count against one server; `engine` (in-process) lets the peak of live slots reset per level."""
+    rows = []
+    import httpx
+
+    with httpx.Client(timeout=3600) as http:
+        first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+    if first["status"] != 200:
+        raise RuntimeError(f"the server at {url} answered a test request with HTTP {first['status']}")
+    for clients in args.clients:
+        if engine is not None:
+            engine.peak_live = 0
+        row = run_level(url, model, clients, args.requests_per_client, args.max_tokens, args.time_limit)
+        row["peak_live_slots"] = engine.peak_live if engine is not None else peak_live_from_metrics(url)
+        row["cache"] = label
+        _log(f"{label}: {clients} clients: {row['ok']} requests in {row['seconds']} s, "
+             f"{row['output_tokens_per_s']} tokens/s, TTFT p50 {row['ttft_ms_p50']} ms, "
+             f"ITL p50 {row['itl_ms_p50']} ms, peak slots {row['peak_live_slots']}")
+        rows.append(row)
+    return rows
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's throughput and latencies over the full cache's at the same client count (same run)."""
+    full = {r["clients"]: r for r in rows if r["cache"] == "full"}
+    keys = ("requests_per_s", "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+    for r in rows:
+        f = full.get(r["clients"])
+        r["ratio_vs_full"] = None if f is None or r["cache"] == "full" else {
+            k: (round(r[k] / f[k], 3) if r[k] is not None and f[k] else None) for k in keys}
+    return rows
+
+
+def plot_serve(rows: list[dict], title: str, path) -> str:
+    from kivi_jax.plots import _pyplot, _save
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for i, cache in enumerate(dict.fromkeys(r["cache"] for r in rows)):
+        pts = [r for r in rows if r["cache"] == cache]
+        x, color = [r["clients"] for r in pts], f"C{i}"
+        axes[0].plot(x, [r["output_tokens_per_s"] for r in pts], marker="o", color=color, label=cache)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            ax.plot(x, [r[f"{key}_p50"] for r in pts], marker="o", color=color, label=f"{cache} p50")
+            ax.plot(x, [r[f"{key}_p99"] for r in pts], marker="x", ls="--", color=color, label=f"{cache} p99")
+    for ax, ylabel in zip(axes, ("output tokens/s", "time to first token (ms)", "inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def add_serve_bench(sub) -> None:
+    """The `serve` subcommand of `kivi-jax bench`."""
+    from kivi_jax.bench_cli import int_list
+    from kivi_jax.serve.cli import add_serve_args
+
+    p = sub.add_parser("serve", help="load benchmark of `kivi-jax serve`: concurrent streaming clients, "
+                                     "throughput, TTFT and inter-token latency",
+                       description=__doc__.split("\n\n")[1])
+    add_serve_args(p, cache_default="full,kivi2")
+    p.add_argument("--url", default=None, help="benchmark a running server (loopback only) instead of starting one")
+    p.add_argument("--served-model-name", default=None, help="the model id to ask for (default: --model)")
+    p.add_argument("--clients", type=int_list, default=[1, 8, 32], help="concurrent clients (default 1,8,32)")
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (default 2)")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens a request (default 16)")
+    p.add_argument("--time-limit", type=float, default=300.0,
+                   help="seconds a client-count level may start requests for (default 300)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args) -> int:
+    from kivi_jax import bench
+    from kivi_jax.bench_cli import spec_list
+    from kivi_jax.serve.cli import server_from_args
+
+    if args.requests_per_client < 1 or args.max_tokens < 1 or max(args.clients) > 256:
+        raise ValueError("--requests-per-client and --max-tokens must be at least 1, and at most 256 clients")
+    model_name = args.served_model_name or args.model
+    out = {"device": bench.device_name(), "model": args.model, "clients": args.clients,
+           "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens, "prompts": list(PROMPTS)}
+    rows, servers = [], {}
+    if args.url:
+        host = urlparse(args.url).hostname
+        if host not in LOOPBACK:
+            raise ValueError(f"--url must be a loopback address ({', '.join(LOOPBACK)}), not {host!r}")
+        rows = bench_server(args.url.rstrip("/"), model_name, args, label=args.url)
+    else:
+        from kivi_jax.serve.http import ServerThread
+
+        for spec in spec_list(args.cache):
+            args_one = argparse.Namespace(**{**vars(args), "cache": spec})
+            server = server_from_args(args_one, model_name, progress=not args.json)
+            _log(server.describe())
+            name = server.engine.spec_name
+            servers[name] = {"capacity": server.capacity, "slots": server.engine.num_slots}
+            with ServerThread(server.app) as thread:
+                rows += bench_server(thread.url, model_name, args, server.engine, label=name)
+            del server
+        out["servers"] = servers
+        out["cache_budget"] = args.cache_budget
+        out["max_length"] = args.max_length
+    out["results"] = with_ratios(rows)
+    if args.plot:
+        out["plot"] = plot_serve(rows, f"{args.model}: serve, {args.max_tokens} tokens a request, budget "
+                                       f"{args.cache_budget or '-'}", args.plot)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    from kivi_jax.bench_cli import _table
+
+    for name, s in servers.items():
+        print(f"# {name}: {s['slots']} slots")
+    print(_table(["cache", "clients", "requests", "req/s", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                  "ITL p99 ms", "peak slots", "tokens/s vs full"],
+                 [[r["cache"], r["clients"], r["ok"], r["requests_per_s"], r["output_tokens_per_s"], r["ttft_ms_p50"],
+                   r["ttft_ms_p99"], r["itl_ms_p50"], r["itl_ms_p99"], r["peak_live_slots"],
+                   "-" if not r["ratio_vs_full"] else r["ratio_vs_full"]["output_tokens_per_s"]] for r in rows]))
+    if args.plot:
+        print(f"plot: {out['plot']}")
+    return 0

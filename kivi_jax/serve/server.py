@@ -1,0 +1,85 @@
+"""Building a server from a model and a capacity: the engine, the scheduler and the app, with the capacity line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK, Engine, capacity_report
+from kivi_jax.serve.scheduler import Scheduler
+
+DEFAULT_MAX_LENGTH = 4096
+DEFAULT_SLOTS = 8
+
+
+def default_max_length(spec, cfg) -> int:
+    """4096 tokens or the model's positions if fewer, rounded down to whole residual blocks for a KIVI cache."""
+    n = min(DEFAULT_MAX_LENGTH, cfg.max_position_embeddings)
+    spec = parse_cache_spec(spec)
+    return n if spec == "full" else n - n % spec.residual_length
+
+
+@dataclasses.dataclass
+class Server:
+    engine: Engine
+    scheduler: Scheduler
+    app: object
+    model_name: str
+    capacity: dict
+
+    def describe(self) -> str:
+        """The line printed at start: slots, bytes a slot, and what the full-precision cache would fit."""
+        from kivi_jax.bench import format_bytes
+
+        e, c = self.engine, self.capacity
+        line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
+                f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
+        full = c["full"]
+        if e.spec != "full" and "budget_bytes" in c:
+            line += (f"; the budget of {format_bytes(c['budget_bytes'])} would fit {full['slots']} slots of the "
+                     f"full-precision cache ({format_bytes(full['slot_bytes'])} a slot)")
+        elif e.spec != "full":
+            line += (f"; the full-precision cache would take {format_bytes(full['slot_bytes'])} a slot, "
+                     f"{format_bytes(full['slot_bytes'] * e.num_slots)} in all")
+        line += f"; prompts prefilled in chunks of {e.prefill_chunk} tokens"
+        if len(e.groups) > 1:
+            line += f"; decoded in {len(e.groups)} groups of up to {e.groups[0][1]} slots"
+        line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
+        return line
+
+
+def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget: int | None = None,
+                 max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = 64,
+                 attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
+                 decode_group: int | None = None) -> Server:
+    """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
+    the most slots of `max_length` tokens whose cache fits `cache_budget` bytes."""
+    try:
+        from kivi_jax.serve.http import create_app
+    except ImportError as e:
+        raise RuntimeError(f"serving needs FastAPI and uvicorn ({e}): pip install 'kivi-jax[serve]'") from e
+
+    params, tokenizer = model.params, model.tokenizer
+    spec = parse_cache_spec(cache)
+    max_length = default_max_length(spec, params.config) if max_length is None else max_length
+    if slots is not None and cache_budget is not None:
+        raise ValueError("give the slots or a cache budget, not both")
+    if spec != "full":
+        spec.check_shapes(params.config.head_dim, max_length)
+    capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1)
+    if cache_budget is None:
+        capacity.pop("budget_bytes")
+        for part in ("cache", "full"):
+            capacity[part].pop("slots")
+        slots = DEFAULT_SLOTS if slots is None else slots
+    else:
+        slots = capacity["cache"]["slots"]
+        if slots < 1:
+            raise ValueError(f"a cache budget of {cache_budget} bytes fits no slot of {max_length} tokens of "
+                             f"{spec_name(spec)} ({capacity['cache']['slot_bytes']} bytes a slot); raise the budget "
+                             "or lower --max-length")
+    capacity["slots"] = slots
+    engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
+                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group)
+    scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
+    return Server(engine, scheduler, create_app(scheduler, model_name), model_name, capacity)
