@@ -363,10 +363,12 @@ def test_second_chat_turn_prefills_only_its_new_tokens(model, served, client):
 
 def test_multi_chunk_prefill_matches_one_piece(model, monkeypatch):
     """A 150-token prompt in chunks of 64 on the full cache gives what one prefill gives (greedy)."""
-    from kivi_jax import generate as gen
+    import importlib
+
     from kivi_jax.serve.engine import Engine
     from kivi_jax.serve.sampling import RowSampling
 
+    gen = importlib.import_module("kivi_jax.generate")  # the module (the package's `generate` is the function)
     calls = []
     real = gen.prefill_chunk
     monkeypatch.setattr(gen, "prefill_chunk", lambda *a: calls.append(a[1].shape) or real(*a))
