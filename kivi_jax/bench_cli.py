@@ -51,8 +51,8 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: s
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (so large shapes fit)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=dtype_default, help=dtype_help)
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
+    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas", "native"), default="auto",
+                   help="decode attention: Pallas kernel on GPU, C++ kernel on CPU (auto), the XLA path, or forced")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot of the results")
 

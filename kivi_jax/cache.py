@@ -19,7 +19,7 @@ from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.attention import causal_attention
 from kivi_jax.models.config import LlamaConfig
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "native")
 
 
 class CacheCapacityError(ValueError):

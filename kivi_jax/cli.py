@@ -42,9 +42,9 @@ def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
     p.add_argument("--v-bits", type=int, choices=(2, 4, 8), help="override the value bits of --cache")
     p.add_argument("--group-size", type=int, help="override the group size G of --cache")
     p.add_argument("--residual-length", type=int, help="override the residual length R of --cache")
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced (pallas on CPU runs "
-                        "in interpret mode, slowly)")
+    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas", "native"), default="auto",
+                   help="decode attention: Pallas kernel on GPU, C++ kernel on CPU (auto), the XLA path, or forced "
+                        "(pallas on CPU runs in interpret mode, slowly)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -262,8 +262,8 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
                    help="tokens then fed one at a time through the cache, each prediction scored (default 256)")
     p.add_argument("--windows", type=int, default=4,
                    help="windows evenly spaced over the text, run as one batch (default 4)")
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
+    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas", "native"), default="auto",
+                   help="decode attention: Pallas kernel on GPU, C++ kernel on CPU (auto), the XLA path, or forced")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 
