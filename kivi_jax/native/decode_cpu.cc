@@ -134,17 +134,63 @@ inline float half_to_float(uint16_t h) {
 inline void load_scales(const void* base, int64_t offset, int n, ScaleType t, float* out) {
   if (t == F32) {
     std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float));
-  } else if (t == F16) {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-    for (int i = 0; i < n; ++i) out[i] = half_to_float(p[i]);
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+  int i = 0;
+  if (t == F16) {
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+    for (; i < n; ++i) out[i] = half_to_float(p[i]);
   } else {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-    for (int i = 0; i < n; ++i) {
-      uint32_t bits = (uint32_t)p[i] << 16;
-      std::memcpy(out + i, &bits, 4);
-    }
+    uint32_t* o = reinterpret_cast<uint32_t*>(out);
+    for (; i < n; ++i) o[i] = (uint32_t)p[i] << 16;
   }
 }
+
+// Sums of 16 vectors' lanes: lane j of the result is the sum of v[j]'s lanes. A transpose-and-add tree on AVX-512
+// (15 adds, 30 shuffles, one permute, for 16 sums), lane by lane elsewhere.
+#if defined(__AVX512F__)
+struct Reduce16 {
+  __m512i order;  // result lane j <- tree lane order[j]
+  Reduce16() {
+    vf v[16];
+    for (int i = 0; i < 16; ++i) v[i] = vsplat((float)i);
+    vf t = tree(v);
+    int32_t idx[16];
+    for (int j = 0; j < 16; ++j)
+      for (int l = 0; l < 16; ++l)
+        if ((int)(t[l] / 16.0f + 0.5f) == j) idx[j] = l;
+    std::memcpy(&order, idx, sizeof(order));
+  }
+  static vf tree(const vf* v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i) {
+      __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int i = 0; i < 4; ++i)
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))));
+    return (vf)_mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  }
+  vf operator()(const vf* v) const { return (vf)_mm512_permutexvar_ps(order, (__m512)tree(v)); }
+};
+#else
+struct Reduce16 {
+  vf operator()(const vf* v) const {
+    vf out;
+    for (int j = 0; j < 16; ++j) out[j] = hsum(v[j]);
+    return out;
+  }
+};
+#endif
+const Reduce16 reduce16;
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Work sharing on XLA's intra-op pool: the caller claims items too and waits only for items already claimed, so it
@@ -272,8 +318,10 @@ struct KiviArgs {
   int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
 };
 
-// Unpacks one planar-packed row of D channels (bits each) into D/W float vectors, channel order.
-template <int D, int BITS>
+// Unpacks one planar-packed row of D channels (bits each) into D/W float vectors, channel order. `Scaled`: slab s is
+// masked in place, not shifted, so its codes come out multiplied by 2^(BITS*s) (exact; callers fold 2^-(BITS*s) into
+// the query scales or the accumulator), which saves a shift per vector.
+template <int D, int BITS, bool Scaled = true>
 inline void unpack_row(const uint8_t* row, vf* out) {
   constexpr int P = 8 / BITS, WB = D / P;  // codes a byte, bytes a row (the width of one slab)
   constexpr int32_t MASK = (1 << BITS) - 1;
@@ -282,9 +330,17 @@ inline void unpack_row(const uint8_t* row, vf* out) {
     vi bytes = widen(row + c * W);
 #pragma GCC unroll 8
     for (int s = 0; s < P; ++s) {
-      out[s * (WB / W) + c] = __builtin_convertvector((bytes >> (BITS * s)) & MASK, vf);
+      vi code = Scaled ? (bytes & (MASK << (BITS * s))) : ((bytes >> (BITS * s)) & MASK);
+      out[s * (WB / W) + c] = __builtin_convertvector(code, vf);
     }
   }
+}
+
+// 2^-(BITS * slab) of each vector of a row unpacked with Scaled = true.
+template <int D, int BITS>
+inline float slab_unscale(int k) {
+  constexpr int P = 8 / BITS, WB = D / P;
+  return 1.0f / (float)(1 << (BITS * ((k * W) / WB)));
 }
 
 template <int NR, int D, int KB, int VB>
@@ -314,7 +370,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   alignas(64) float p[NR][MAX_CHUNK];
   alignas(64) float qs[NR][D];
   float bias[NR];
-  float kscale[D], kmin[D];
+  alignas(64) float kscale[D], kmin[D];
   int vgroup[D / W];  // value channel group of each vector
   for (int k = 0; k < D / W; ++k) vgroup[k] = (k * W) / gv;
   const int ngv = D / gv;
@@ -325,6 +381,16 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   const int64_t per = (n_groups + a.splits - 1) / a.splits;
   const int64_t g_begin = first + split * per, g_end = std::min(first + (split + 1) * per, last);
   vf codes[D / W];
+  alignas(64) vf partial[NR][W];  // per-token partial dot vectors of one 16-token block, reduced together
+  alignas(64) float vsc[MAX_CHUNK * (D / 16)], vmn[MAX_CHUNK * (D / 16)];  // the chunk's value scales and mins
+  alignas(64) float ps[NR][MAX_CHUNK * (D / 16)];  // p * value scale
+  float kunscale[D / W], vunscale[D / W];
+  for (int k = 0; k < D / W; ++k) {
+    kunscale[k] = slab_unscale<D, KB>(k);
+    vunscale[k] = slab_unscale<D, VB>(k);
+  }
+  for (int r = 0; r < NR; ++r)  // acc holds slab-scaled sums (codes unpacked as c * 2^(VB * slab)) until the ring
+    for (int k = 0; k < D / W; ++k) st.acc[r][k] = vf{};
   for (int64_t g = g_begin; g < g_end; ++g) {
     const int64_t t_begin = std::max(g * gk, lo), t_end = std::min((g + 1) * gk, main_end);
     const int n = (int)(t_end - t_begin);
@@ -332,46 +398,57 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     load_scales(a.ks, ks_off + g * D, D, a.st, kscale);
     load_scales(a.km, ks_off + g * D, D, a.st, kmin);
     for (int r = 0; r < NR; ++r) {
-      float b_ = 0.0f;
-      for (int d = 0; d < D; ++d) {
-        qs[r][d] = q[r][d] * kscale[d];
-        b_ += q[r][d] * kmin[d];
+      vf bsum{};
+      for (int k = 0; k < D / W; ++k) {
+        vf qv = vload(q[r] + k * W);
+        vstore(qs[r] + k * W, qv * vload(kscale + k * W) * kunscale[k]);
+        bsum += qv * vload(kmin + k * W);
       }
-      bias[r] = b_;
+      bias[r] = hsum(bsum);
     }
-    for (int i = 0; i < n; ++i) {
-      unpack_row<D, KB>(kc + (t_begin + i) * (D / PK), codes);
-      for (int r = 0; r < NR; ++r) {
-        vf acc = codes[0] * vload(qs[r]);
+    for (int i0 = 0; i0 < n; i0 += W) {
+      const int m = std::min(W, n - i0);
+      for (int i = 0; i < m; ++i) {
+        unpack_row<D, KB>(kc + (t_begin + i0 + i) * (D / PK), codes);
+        for (int r = 0; r < NR; ++r) {
+          vf acc = codes[0] * vload(qs[r]);
 #pragma GCC unroll 8
-        for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
-        scores[r][i] = hsum(acc) + bias[r];
+          for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
+          partial[r][i] = acc;
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        for (int i = m; i < W; ++i) partial[r][i] = vf{};
+        vstore(scores[r] + i0, reduce16(partial[r]) + bias[r]);
       }
     }
     st.update(scores, p, n);
-    float mins[NR][D];  // Σ_t p_t m_tg per row and value group (D / Gv of them)
-    for (int r = 0; r < NR; ++r)
+    load_scales(a.vs, vs_off + t_begin * ngv, n * ngv, a.st, vsc);
+    load_scales(a.vm, vs_off + t_begin * ngv, n * ngv, a.st, vmn);
+    float mins[NR][D / 16];  // Σ_t p_t m_tg per row and value group
+    for (int r = 0; r < NR; ++r) {
       for (int j = 0; j < ngv; ++j) mins[r][j] = 0.0f;
-    float vscale[D], vmin[D];  // D / Gv used
-    for (int i = 0; i < n; ++i) {
-      const int64_t t = t_begin + i;
-      load_scales(a.vs, vs_off + t * ngv, ngv, a.st, vscale);
-      load_scales(a.vm, vs_off + t * ngv, ngv, a.st, vmin);
-      unpack_row<D, VB>(vc + t * (D / PV), codes);
-      for (int r = 0; r < NR; ++r) {
+      for (int i = 0; i < n; ++i) {
         const float pr = p[r][i];
-        float ps[D];
         for (int j = 0; j < ngv; ++j) {
-          ps[j] = pr * vscale[j];
-          mins[r][j] += pr * vmin[j];
+          ps[r][i * ngv + j] = pr * vsc[i * ngv + j];
+          mins[r][j] += pr * vmn[i * ngv + j];
         }
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      unpack_row<D, VB>(vc + (t_begin + i) * (D / PV), codes);
+      for (int r = 0; r < NR; ++r) {
+        const float* pr = ps[r] + i * ngv;
 #pragma GCC unroll 8
-        for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * ps[vgroup[k]];
+        for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * pr[vgroup[k]];
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int k = 0; k < D / W; ++k) st.acc[r][k] += mins[r][vgroup[k]];
+      for (int k = 0; k < D / W; ++k) st.acc[r][k] += mins[r][vgroup[k]] / vunscale[k];
   }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < D / W; ++k) st.acc[r][k] *= vunscale[k];
 
   // Residual segment (the last split): ring slots holding tokens in [max(main_end, lo), length); keys already flushed
   // (token < k_end) come from the last quantized key block, dequantized.
@@ -399,7 +476,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
           const int64_t row = flushed_row + slot;
           load_scales(a.ks, ks_off + (row / gk) * D, D, a.st, kscale);
           load_scales(a.km, ks_off + (row / gk) * D, D, a.st, kmin);
-          unpack_row<D, KB>(kc + row * (D / PK), codes);
+          unpack_row<D, KB, false>(kc + row * (D / PK), codes);
           for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
         } else {
           std::memcpy(key, kr + slot * D, D * sizeof(float));
@@ -453,6 +530,7 @@ void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   st.init();
   alignas(64) float scores[NR][MAX_CHUNK];
   alignas(64) float p[NR][MAX_CHUNK];
+  alignas(64) vf partial[NR][W];
   const int64_t first = lo / FULL_CHUNK, last = (length + FULL_CHUNK - 1) / FULL_CHUNK;
   const int64_t n_chunks = std::max<int64_t>(last - first, 0);
   const int64_t per = (n_chunks + a.splits - 1) / a.splits;
@@ -461,15 +539,22 @@ void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     const int64_t t_begin = std::max<int64_t>(c * FULL_CHUNK, lo), t_end = std::min<int64_t>((c + 1) * FULL_CHUNK, length);
     const int n = (int)(t_end - t_begin);
     if (n <= 0) continue;
-    for (int i = 0; i < n; ++i) {
-      const float* kt = kp + (t_begin + i) * D;
-      vf kv[D / W];
-      for (int k = 0; k < D / W; ++k) kv[k] = vload(kt + k * W);
-      for (int r = 0; r < NR; ++r) {
-        vf acc = kv[0] * vload(q[r]);
+    for (int i0 = 0; i0 < n; i0 += W) {
+      const int m = std::min(W, n - i0);
+      for (int i = 0; i < m; ++i) {
+        const float* kt = kp + (t_begin + i0 + i) * D;
+        vf kv[D / W];
+        for (int k = 0; k < D / W; ++k) kv[k] = vload(kt + k * W);
+        for (int r = 0; r < NR; ++r) {
+          vf acc = kv[0] * vload(q[r]);
 #pragma GCC unroll 8
-        for (int k = 1; k < D / W; ++k) acc += kv[k] * vload(q[r] + k * W);
-        scores[r][i] = hsum(acc);
+          for (int k = 1; k < D / W; ++k) acc += kv[k] * vload(q[r] + k * W);
+          partial[r][i] = acc;
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        for (int i = m; i < W; ++i) partial[r][i] = vf{};
+        vstore(scores[r] + i0, reduce16(partial[r]));
       }
     }
     st.update(scores, p, n);
