@@ -21,12 +21,13 @@ def int_list(text: str) -> list[int]:
 
 
 def spec_list(text: str) -> list[str]:
+    from kivi_jax.bench import split_impl
     from kivi_jax.config import parse_cache_spec
 
     specs = [s.strip() for s in text.split(",") if s.strip()]
     for s in specs:
         try:
-            parse_cache_spec(s)
+            parse_cache_spec(split_impl(s)[0])
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     if not specs:
@@ -63,7 +64,9 @@ def add_bench_commands(sub) -> None:
     _common(d, None, "compute dtype (default: as stored, float32; the full cache's element type)")
     d.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384], help="tokens in the cache (default 1024,4096,16384)")
     d.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
-    d.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
+    d.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"],
+                   help="cache specs (default full,kivi2,kivi4); 'spec@impl' gives one its own attention impl, e.g. "
+                        "full@xla,full@native,kivi2@native (ratios against the first full one, and each in ratio_vs)")
     d.add_argument("--repeats", type=int, default=10, help="timed steps per configuration (default 10)")
     d.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one (default 2)")
     d.set_defaults(func=cmd_decode)
