@@ -27,7 +27,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -35,11 +35,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));     // 16 float lanes
-typedef int32_t vi __attribute__((vector_size(64)));   // 16 int32 lanes
-typedef uint8_t vb __attribute__((vector_size(16)));   // 16 bytes
-
-constexpr int W = 16;  // lanes a vector
+// Lanes a vector: 16 with AVX-512 (one register), else 8 (one AVX2 register; wider generic vectors are lowered
+// badly without AVX-512).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint8_t vb __attribute__((vector_size(W)));
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_ROWS = 4;    // query rows a work item holds (n_rep is split into blocks of at most this)
 constexpr int MAX_CHUNK = 128;  // tokens scored at once (one key group; ring and full-precision chunks)
@@ -56,12 +61,7 @@ inline float hsum(vf v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)v);
 #else
-  typedef float hf __attribute__((vector_size(32)));
-  hf lo, hi;
-  std::memcpy(&lo, &v, 32);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-  hf s = lo + hi;
-  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 #endif
 }
 
@@ -98,11 +98,17 @@ inline vf vexp(vf x) {
   return y * pow2;
 }
 
-// Codes of 16 consecutive bytes, widened to int32 lanes.
+// Codes of W consecutive bytes, widened to int32 lanes.
 inline vi widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
   vb b;
   std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vi);
+  return __builtin_convertvector(b, vi);  // (GCC 12 builds this lane by lane: the intrinsics above avoid that)
+#endif
 }
 
 // Scales and mins: float16, bfloat16 or float32 in the cache, float32 here.
@@ -150,7 +156,7 @@ inline void load_scales(const void* base, int64_t offset, int n, ScaleType t, fl
   }
 }
 
-// Sums of 16 vectors' lanes: lane j of the result is the sum of v[j]'s lanes. A transpose-and-add tree on AVX-512
+// Sums of W vectors' lanes: lane j of the result is the sum of v[j]'s lanes. A transpose-and-add tree on AVX-512
 // (15 adds, 30 shuffles, one permute, for 16 sums), lane by lane elsewhere.
 #if defined(__AVX512F__)
 struct Reduce16 {
@@ -182,10 +188,10 @@ struct Reduce16 {
   vf operator()(const vf* v) const { return (vf)_mm512_permutexvar_ps(order, (__m512)tree(v)); }
 };
 #else
-struct Reduce16 {
+struct Reduce16 {  // W = 8 here: lane j of the result is the sum of v[j]'s lanes
   vf operator()(const vf* v) const {
     vf out;
-    for (int j = 0; j < 16; ++j) out[j] = hsum(v[j]);
+    for (int j = 0; j < W; ++j) out[j] = hsum(v[j]);
     return out;
   }
 };
@@ -381,7 +387,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   const int64_t per = (n_groups + a.splits - 1) / a.splits;
   const int64_t g_begin = first + split * per, g_end = std::min(first + (split + 1) * per, last);
   vf codes[D / W];
-  alignas(64) vf partial[NR][W];  // per-token partial dot vectors of one 16-token block, reduced together
+  alignas(64) vf partial[NR][W];  // per-token partial dot vectors of one W-token block, reduced together
   alignas(64) float vsc[MAX_CHUNK * (D / 16)], vmn[MAX_CHUNK * (D / 16)];  // the chunk's value scales and mins
   alignas(64) float ps[NR][MAX_CHUNK * (D / 16)];  // p * value scale
   float kunscale[D / W], vunscale[D / W];
@@ -425,23 +431,33 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     st.update(scores, p, n);
     load_scales(a.vs, vs_off + t_begin * ngv, n * ngv, a.st, vsc);
     load_scales(a.vm, vs_off + t_begin * ngv, n * ngv, a.st, vmn);
-    float mins[NR][D / 16];  // Σ_t p_t m_tg per row and value group
-    for (int r = 0; r < NR; ++r) {
-      for (int j = 0; j < ngv; ++j) mins[r][j] = 0.0f;
+    // Transposed to [group][token] (zero past n), so p * scale and Σ p * min run over tokens in vectors.
+    const int nv = (n + W - 1) / W;
+    alignas(64) float vsc_t[D / 16][MAX_CHUNK], vmn_t[D / 16][MAX_CHUNK];
+    for (int j = 0; j < ngv; ++j) {
       for (int i = 0; i < n; ++i) {
-        const float pr = p[r][i];
-        for (int j = 0; j < ngv; ++j) {
-          ps[r][i * ngv + j] = pr * vsc[i * ngv + j];
-          mins[r][j] += pr * vmn[i * ngv + j];
-        }
+        vsc_t[j][i] = vsc[i * ngv + j];
+        vmn_t[j][i] = vmn[i * ngv + j];
       }
+      for (int i = n; i < nv * W; ++i) vsc_t[j][i] = vmn_t[j][i] = 0.0f;
     }
+    float mins[NR][D / 16];  // Σ_t p_t m_tg per row and value group
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < ngv; ++j) {
+        vf msum{};
+        for (int c = 0; c < nv; ++c) {
+          vf pv = vload(p[r] + c * W);
+          vstore(ps[r] + j * MAX_CHUNK + c * W, pv * vload(vsc_t[j] + c * W));
+          msum += pv * vload(vmn_t[j] + c * W);
+        }
+        mins[r][j] = hsum(msum);
+      }
     for (int i = 0; i < n; ++i) {
       unpack_row<D, VB>(vc + (t_begin + i) * (D / PV), codes);
       for (int r = 0; r < NR; ++r) {
-        const float* pr = ps[r] + i * ngv;
+        const float* pr = ps[r] + i;
 #pragma GCC unroll 8
-        for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * pr[vgroup[k]];
+        for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * pr[vgroup[k] * MAX_CHUNK];
       }
     }
     for (int r = 0; r < NR; ++r)
