@@ -354,10 +354,21 @@ def use_pallas(impl: str) -> bool:
     return impl == "pallas"
 
 
+def use_native(impl: str, full: bool = False) -> bool:
+    """`native` forces the C++ CPU kernels; `auto` takes them on the CPU backend when they built (for the
+    full-precision cache only if it beats the XLA path: `native.FULL_AUTO`). False when they cannot be built (the
+    loader has warned once, saying why)."""
+    from kivi_jax import native
+
+    if impl == "auto" and (jax.default_backend() != "cpu" or (full and not native.FULL_AUTO)):
+        return False
+    return impl in ("auto", "native") and native.available()
+
+
 def fall_back(impl: str, reason: str) -> None:
-    """The kernel cannot serve this cache: say so when the caller forced `pallas` (`auto` falls back quietly)."""
-    if impl == "pallas":
-        warnings.warn(f"attention_impl='pallas': {reason}; using the XLA path", stacklevel=3)
+    """The kernel cannot serve this cache: say so when the caller forced a kernel (`auto` falls back quietly)."""
+    if impl in ("pallas", "native"):
+        warnings.warn(f"attention_impl={impl!r}: {reason}; using the XLA path", stacklevel=3)
 
 
 def attend_full(impl: str, q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window):
@@ -392,6 +403,13 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
         if reason is None:
             return full_decode.decode(q, k_cache, v_cache, layer, length, k_new, v_new, window)
         fall_back(impl, reason)
+    if use_native(impl, full=True):
+        from kivi_jax import native
+
+        reason = native.unsupported_full(q.dtype, q.shape[-1], k_cache.dtype)
+        if reason is None:
+            return native.decode_full(q, k_cache, v_cache, layer, length, k_new, v_new, window)
+        fall_back(impl, reason)
     return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window)
 
 
@@ -416,6 +434,13 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
                 layer, length, k_new, v_new, k_bits=k_store.bits, v_bits=v_store.bits,
                 group_size=k_store.group_size, window=window,
             )
+        fall_back(impl, reason)
+    if use_native(impl):
+        from kivi_jax import native
+
+        reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2])
+        if reason is None:
+            return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
         fall_back(impl, reason)
     if layer is not None:
         k_ring, v_ring = k_ring[layer], v_ring[layer]

@@ -148,14 +148,26 @@ def device_name() -> str:
     return f"cpu: {model}, {os.cpu_count()} cores, jaxlib {jax.__version__}"
 
 
+def split_impl(spec, impl: str = "auto"):
+    """A decode benchmark's cache entry may name its own attention impl: 'kivi2@native', 'full@xla' -> (spec, impl);
+    without '@' the run's `impl`."""
+    if isinstance(spec, str) and "@" in spec:
+        from kivi_jax.cache import check_impl
+
+        spec, own = spec.split("@", 1)
+        return spec, check_impl(own.strip().lower())
+    return spec, impl
+
+
 def spec_label(spec) -> str:
-    """How results name a cache spec: as given ('kivi2', 'k4v2-g64-r128'), or a KIVIConfig's canonical spec."""
+    """How results name a cache spec: as given ('kivi2', 'k4v2-g64-r128', 'kivi2@native'), or a KIVIConfig's
+    canonical spec."""
     return spec.strip().lower() if isinstance(spec, str) else spec_name(spec)
 
 
 def spec_fields(spec) -> dict:
     """The names a result row gives its cache: `cache` as given, `spec` canonical."""
-    return {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(spec))}
+    return {"cache": spec_label(spec), "spec": spec_name(parse_cache_spec(split_impl(spec)[0]))}
 
 
 def cache_tokens(context: int, extra: int, specs) -> int:
@@ -169,9 +181,17 @@ def cache_tokens(context: int, extra: int, specs) -> int:
 
 
 def with_ratio_vs_full(group: list[dict], key: str) -> list[dict]:
-    """The rows of one measured group with `ratio_vs_full`: each row's `key` over the `full` row's (None without one)."""
-    base = next((r[key] for r in group if r["cache"] == "full"), None)
-    return [{**row, "ratio_vs_full": None if base is None else row[key] / base} for row in group]
+    """The rows of one measured group with `ratio_vs_full`: each row's `key` over the first full-precision row's
+    (None without one); with several full rows (e.g. 'full@xla,full@native'), `ratio_vs` over each of them too."""
+    fulls = [r for r in group if r.get("spec", r["cache"]) == "full"]
+    base = fulls[0][key] if fulls else None
+    out = []
+    for row in group:
+        row = {**row, "ratio_vs_full": None if base is None else row[key] / base}
+        if len(fulls) > 1:
+            row["ratio_vs"] = {f["cache"]: row[key] / f[key] for f in fulls}
+        out.append(row)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -180,18 +200,21 @@ def with_ratio_vs_full(group: list[dict], key: str) -> list[dict]:
 
 def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", repeats: int = 10,
                  warmup: int = 2, log=None) -> list[dict]:
-    """Decode-step time for every (context, batch, cache spec), each spec's ratio against `full` of the same run."""
+    """Decode-step time for every (context, batch, cache spec), each spec's ratio against `full` of the same run.
+
+    `impl` applies to every spec (the full-precision baseline too); an entry 'spec@impl' picks its own."""
     cfg, dtype = params.config, params.dtype
     rows = []
     for context in contexts:
-        max_tokens = cache_tokens(context, warmup + repeats + 2, specs)
+        max_tokens = cache_tokens(context, warmup + repeats + 2, [split_impl(s)[0] for s in specs])
         for batch in batches:
             group = []
-            for spec in specs:
-                cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, impl)
+            for entry in specs:
+                spec, spec_impl = split_impl(entry, impl)
+                cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, spec_impl)
                 t = time_decode(params, cache, repeats, warmup)
                 del cache
-                row = {**spec_fields(spec), "context": context, "batch": batch, **t}
+                row = {**spec_fields(entry), "attention_impl": spec_impl, "context": context, "batch": batch, **t}
                 group.append(row)
                 if log:
                     log(f"{row['cache']:>16s} context {context:6d} batch {batch:3d}: {t['step_ms_median']:9.2f} ms "

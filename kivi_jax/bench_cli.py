@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kivi_jax.cli_args import integer, writable_file
+from kivi_jax.cli_args import add_impl_arg, integer, writable_file
 
 MODEL_HELP = ("'smollm2' (the real model), 'llama2-7b' or 'llama3-8b' (synthetic weights with those models' shapes), "
               "or a path (HF directory, .gguf, kivi_jax checkpoint)")
@@ -23,12 +23,13 @@ def int_list(text: str) -> list[int]:
 
 
 def spec_list(text: str) -> list[str]:
+    from kivi_jax.bench import split_impl
     from kivi_jax.config import parse_cache_spec
 
     specs = [s.strip() for s in text.split(",") if s.strip()]
     for s in specs:
         try:
-            parse_cache_spec(s)
+            parse_cache_spec(split_impl(s)[0])
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     if not specs:
@@ -53,8 +54,7 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: s
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--layers", type=integer(1), default=None, help="keep only the first N layers (so large shapes fit)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=dtype_default, help=dtype_help)
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
+    add_impl_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE", type=writable_file, default=None, help="write a PNG plot of the results")
 
@@ -65,7 +65,9 @@ def add_bench_commands(sub) -> None:
     _common(d, None, "compute dtype (default: as stored, float32; the full cache's element type)")
     d.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384], help="tokens in the cache (default 1024,4096,16384)")
     d.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
-    d.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
+    d.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"],
+                   help="cache specs (default full,kivi2,kivi4); 'spec@impl' gives one its own attention impl, e.g. "
+                        "full@xla,full@native,kivi2@native (ratios against the first full one, and each in ratio_vs)")
     d.add_argument("--repeats", type=integer(1), default=10, help="timed steps per configuration (default 10)")
     d.add_argument("--warmup", type=integer(0), default=2, help="untimed steps after the compiling one (default 2)")
     d.set_defaults(func=cmd_decode)

@@ -25,7 +25,7 @@ from kivi_jax.models.config import LlamaConfig
 
 from kivi_jax.models.protocol import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError  # noqa: F401
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "native")
 
 def check_impl(impl: str) -> str:
     if impl not in ATTENTION_IMPLS:

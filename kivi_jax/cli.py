@@ -62,9 +62,7 @@ def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
                              help="override the group size G of a KIVI --cache")
     cli_args.add_conditional(p, "--residual-length", _is_kivi, _NOT_FOR_FULL, type=integer(1),
                              help="override the residual length R of a KIVI --cache (a multiple of G)")
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced (pallas on CPU runs "
-                        "in interpret mode, slowly)")
+    cli_args.add_impl_arg(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -389,8 +387,7 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
                    help="tokens then fed one at a time through the cache, each prediction scored (default 256)")
     p.add_argument("--windows", type=integer(1), default=4,
                    help="windows evenly spaced over the text, run as one batch (default 4)")
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="decode attention: Pallas kernel on GPU (auto), the XLA path, or forced")
+    cli_args.add_impl_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 

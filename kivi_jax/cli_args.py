@@ -161,3 +161,12 @@ def run(func, *args) -> int:
     except BrokenPipeError:
         silence_stdout()
         return EXIT_BROKEN_PIPE
+
+
+def add_impl_arg(p: argparse.ArgumentParser) -> None:
+    """`--attention-impl`, shared by every subcommand that runs the model (choices: kivi_jax.cache.ATTENTION_IMPLS)."""
+    from kivi_jax.cache import ATTENTION_IMPLS
+
+    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                   help="decode attention: Pallas kernel on GPU, C++ kernel on CPU (auto), the XLA path, or forced "
+                        "(pallas on CPU runs in interpret mode, slowly)")

@@ -1,0 +1,96 @@
+"""The native CPU decode kernels as jax functions: same arguments and results as `kivi_jax.attention.decode_kivi_xla`
+and `decode_full_xla` (their pure-jnp twins), run through `jax.ffi.ffi_call` on the CPU backend.
+
+The stacked `[layers, ...]` stores and rings are the call's operands (read in place at the traced `layer` index,
+never sliced); a one-layer array (`layer=None`) gets a free leading axis. float32 in and out.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kivi_jax.native import build
+
+KERNEL_BITS = (2, 4)
+KERNEL_KEY_GROUPS = (32, 64, 128)
+HEAD_DIMS = (64, 128)
+SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+# Whether `attention_impl="auto"` takes the native kernel for the full-precision cache too: only where it beat the
+# XLA path on the decode benchmark (docs/benchmarks.md, "Native CPU kernels").
+FULL_AUTO = True  # it did on the 2-core machine, 2026-12-01: 0.31-0.75x the XLA path's step
+
+
+def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, residual: int) -> str | None:
+    """Why the native kernel cannot serve this KIVI cache, or None when it can."""
+    if (k_store.axis, v_store.axis) != ("channel", "token"):
+        return f"only KIVI's axes (keys per-channel, values per-token) have a kernel, not {k_store.axis}/{v_store.axis}"
+    if k_store.bits not in KERNEL_BITS or v_store.bits not in KERNEL_BITS:
+        return f"the kernel handles {KERNEL_BITS}-bit codes, not k_bits={k_store.bits}, v_bits={v_store.bits}"
+    if head_dim not in HEAD_DIMS:
+        return f"the kernel handles head_dim {HEAD_DIMS}, not {head_dim}"
+    if k_store.group_size not in KERNEL_KEY_GROUPS:
+        return f"the kernel handles group sizes {KERNEL_KEY_GROUPS}, not {k_store.group_size}"
+    if v_store.group_size % 16 or head_dim % v_store.group_size:
+        return f"the value channel group {v_store.group_size} must be a multiple of 16 dividing head_dim={head_dim}"
+    if residual % k_store.group_size:
+        return f"residual_length={residual} is not a multiple of group_size={k_store.group_size}"
+    if jnp.dtype(q_dtype) != jnp.float32 or jnp.dtype(ring_dtype) != jnp.float32:
+        return f"the kernel computes in float32, not {jnp.dtype(q_dtype).name}"
+    if k_store.scale.dtype not in SCALE_DTYPES or k_store.scale.dtype != v_store.scale.dtype:
+        return f"scales in {k_store.scale.dtype} / {v_store.scale.dtype} are not served"
+    return None
+
+
+def unsupported_full(q_dtype, head_dim: int, cache_dtype) -> str | None:
+    """Why the native full-precision kernel cannot serve this cache, or None when it can."""
+    if head_dim not in HEAD_DIMS:
+        return f"the kernel handles head_dim {HEAD_DIMS}, not {head_dim}"
+    if jnp.dtype(q_dtype) != jnp.float32 or jnp.dtype(cache_dtype) != jnp.float32:
+        return f"the kernel computes in float32, not {jnp.dtype(cache_dtype).name}"
+    return None
+
+
+def _stacked(x: jax.Array, layer):
+    return x[None] if layer is None else x
+
+
+def _layer_operand(layer) -> jax.Array:
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+
+
+def _window(window) -> int:
+    return 0 if window is None else int(window)
+
+
+def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window) -> jax.Array:
+    """Decode attention over one layer of a KIVI cache with the native kernel.
+
+    q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size) and rings
+    `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or one layer each with `layer=None`; length
+    `[batch]`; k_new, v_new `[batch, 1, kv_heads, head_dim]` at position length. Returns q's shape, float32.
+    """
+    if build.load() is None:
+        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
+    arrays = [_stacked(x, layer) for x in (k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale,
+                                           v_store.mn, k_ring, v_ring)]
+    call = jax.ffi.ffi_call("kivi_jax_kivi_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32), *arrays[:6], arrays[6].astype(jnp.float32), arrays[7].astype(jnp.float32),
+        _layer_operand(layer), length.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+        k_bits=int(k_store.bits), v_bits=int(v_store.bits), k_group=int(k_store.group_size),
+        v_group=int(v_store.group_size), window=_window(window),
+    )
+
+
+def decode_full(q, k_cache, v_cache, layer, length, k_new, v_new, window) -> jax.Array:
+    """Decode attention over one layer of a full-precision float32 cache `[(layers,) batch, kv_heads, tokens,
+    head_dim]` holding `length [batch]` tokens, with the native kernel; the arguments of `decode_full_xla`."""
+    if build.load() is None:
+        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
+    call = jax.ffi.ffi_call("kivi_jax_full_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32), _stacked(k_cache, layer).astype(jnp.float32),
+        _stacked(v_cache, layer).astype(jnp.float32), _layer_operand(layer), length.astype(jnp.int32),
+        k_new.astype(jnp.float32), v_new.astype(jnp.float32), window=_window(window),
+    )

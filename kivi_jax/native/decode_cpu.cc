@@ -1,0 +1,836 @@
+// Decode attention on the CPU over the KIVI cache and the full-precision cache, as XLA FFI handlers.
+//
+// The contract is kivi_jax.attention.decode_kivi_xla / decode_full_xla (docs/design.md §2-§3, docs/kernels.md "CPU
+// kernel"): one query token a sequence, the stacked [layers, ...] stores read in place at the layer index, per-sequence
+// lengths, GQA (the query heads of a kv head share one pass over its codes), the sliding window, the ring, the new
+// token; scales and mins folded (keys: q·k = Σ_d (q_d s_gd) c_td + Σ_d q_d m_gd; values: Σ_t p_t v_td =
+// Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg); float32 in and out, online softmax in float32.
+//
+// SIMD: GCC/Clang vector extensions, 16 floats a vector (one AVX-512 register; two AVX2 registers; portable code on
+// anything else), channels in lanes. Threads: work items (batch, kv head, query-row block, token split) shared out
+// through XLA's intra-op thread pool (the FFI ThreadPool), the calling thread working too; a combine merges the
+// partial softmaxes with the new token.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Lanes a vector: 16 with AVX-512 (one register), else 8 (one AVX2 register; wider generic vectors are lowered
+// badly without AVX-512).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint8_t vb __attribute__((vector_size(W)));
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int MAX_ROWS = 4;    // query rows a work item holds (n_rep is split into blocks of at most this)
+constexpr int MAX_CHUNK = 128;  // tokens scored at once (one key group; ring and full-precision chunks)
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf vsplat(float x) { return vf{} + x; }
+
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+#endif
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp for float32 vectors (Cephes expf: range reduction by ln 2 in two parts and a degree-5 polynomial; about 1 ulp
+// for x in [-87, 88]; inputs below -87 give (almost) 0, callers mask what must be exactly 0).
+inline vf vexp(vf x) {
+  const vf hi = vsplat(88.3762626647949f), lo = vsplat(-87.3365447505531f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(fx, vi);
+  vf fn = __builtin_convertvector(n, vf);
+  n = fn > fx ? n - 1 : n;  // floor
+  fn = __builtin_convertvector(n, vf);
+  x = x - fn * 0.693359375f;
+  x = x - fn * -2.12194440e-4f;
+  vf z = x * x;
+  vf y = vsplat(1.9875691500E-4f);
+  y = y * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * z + x + 1.0f;
+  vi bits = (n + 127) << 23;
+  vf pow2;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  return y * pow2;
+}
+
+// Codes of W consecutive bytes, widened to int32 lanes.
+inline vi widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vi);  // (GCC 12 builds this lane by lane: the intrinsics above avoid that)
+#endif
+}
+
+// Scales and mins: float16, bfloat16 or float32 in the cache, float32 here.
+enum ScaleType { F16 = 0, BF16 = 1, F32 = 2 };
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline void load_scales(const void* base, int64_t offset, int n, ScaleType t, float* out) {
+  if (t == F32) {
+    std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float));
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+  int i = 0;
+  if (t == F16) {
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+    for (; i < n; ++i) out[i] = half_to_float(p[i]);
+  } else {
+    uint32_t* o = reinterpret_cast<uint32_t*>(out);
+    for (; i < n; ++i) o[i] = (uint32_t)p[i] << 16;
+  }
+}
+
+// Sums of W vectors' lanes: lane j of the result is the sum of v[j]'s lanes. A transpose-and-add tree on AVX-512
+// (15 adds, 30 shuffles, one permute, for 16 sums), lane by lane elsewhere.
+#if defined(__AVX512F__)
+struct Reduce16 {
+  __m512i order;  // result lane j <- tree lane order[j]
+  Reduce16() {
+    vf v[16];
+    for (int i = 0; i < 16; ++i) v[i] = vsplat((float)i);
+    vf t = tree(v);
+    int32_t idx[16];
+    for (int j = 0; j < 16; ++j)
+      for (int l = 0; l < 16; ++l)
+        if ((int)(t[l] / 16.0f + 0.5f) == j) idx[j] = l;
+    std::memcpy(&order, idx, sizeof(order));
+  }
+  static vf tree(const vf* v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i) {
+      __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int i = 0; i < 4; ++i)
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))));
+    return (vf)_mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  }
+  vf operator()(const vf* v) const { return (vf)_mm512_permutexvar_ps(order, (__m512)tree(v)); }
+};
+#else
+struct Reduce16 {  // W = 8 here: lane j of the result is the sum of v[j]'s lanes
+  vf operator()(const vf* v) const {
+    vf out;
+    for (int j = 0; j < W; ++j) out[j] = hsum(v[j]);
+    return out;
+  }
+};
+#endif
+const Reduce16 reduce16;
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Work sharing on XLA's intra-op pool: the caller claims items too and waits only for items already claimed, so it
+// never waits on a task the pool has not started (the pool may be busy, have one thread, or run tasks inline).
+
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+  std::function<void(int64_t)> fn;
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void work() {
+    for (;;) {
+      int64_t i = next.fetch_add(1);
+      if (i >= total) return;
+      fn(i);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+int thread_limit() {
+  const char* env = std::getenv("KIVI_JAX_NATIVE_THREADS");
+  return env ? std::max(1, std::atoi(env)) : 0;
+}
+
+int64_t worker_count(ffi::ThreadPool& pool) {
+  int64_t n = std::max<int64_t>(pool.num_threads(), 1);
+  int limit = thread_limit();
+  return limit ? std::min<int64_t>(n, limit) : n;
+}
+
+void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+  auto shared = std::make_shared<Shared>();
+  shared->total = total;
+  shared->fn = std::move(fn);
+  int64_t helpers = std::min<int64_t>(worker_count(pool), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Online softmax over one chunk of scores, for NR query rows; values are added by the caller with the returned p.
+
+template <int NR, int D>
+struct Rows {
+  float m[NR], l[NR];
+  vf acc[NR][D / W];
+
+  void init() {
+    for (int r = 0; r < NR; ++r) {
+      m[r] = NEG_INF;
+      l[r] = 0.0f;
+      for (int k = 0; k < D / W; ++k) acc[r][k] = vf{};
+    }
+  }
+
+  // scores[r][0, n) -> p[r][0, n) (0 past n, up to a multiple of W); rescales acc and l by the new max.
+  void update(float (*scores)[MAX_CHUNK], float (*p)[MAX_CHUNK], int n) {
+    const int nv = (n + W - 1) / W;
+    for (int r = 0; r < NR; ++r) {
+      for (int i = n; i < nv * W; ++i) scores[r][i] = NEG_INF;
+      vf mx = vsplat(NEG_INF);
+      for (int j = 0; j < nv; ++j) {
+        vf s = vload(scores[r] + j * W);
+        mx = s > mx ? s : mx;
+      }
+      float m_new = std::max(m[r], hmax(mx));
+      float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+      vf sum{};
+      for (int j = 0; j < nv; ++j) {
+        vf s = vload(scores[r] + j * W);
+        vf e = vexp(s - m_new);
+        e = s == NEG_INF ? vf{} : e;
+        sum += e;
+        vstore(p[r] + j * W, e);
+      }
+      l[r] = l[r] * alpha + hsum(sum);
+      m[r] = m_new;
+      for (int k = 0; k < D / W; ++k) acc[r][k] *= alpha;
+    }
+  }
+
+  void store(float* part, int n_rep_block) const {  // part: [rows][D + 2] as (m, l, acc)
+    for (int r = 0; r < n_rep_block && r < NR; ++r) {
+      float* o = part + r * (D + 2);
+      o[0] = m[r];
+      o[1] = l[r];
+      for (int k = 0; k < D / W; ++k) vstore(o + 2 + k * W, acc[r][k]);
+    }
+  }
+};
+
+// One layer of one (batch, kv head): pointers already offset.
+struct Head {
+  const float* q;  // [rows, D], scaled by 1/sqrt(D)
+  int rows;
+  int64_t length;
+  int64_t lo;  // first visible token (sliding window), else 0
+};
+
+// ---------------------------------------------------------------------------------------------------------------------
+// KIVI
+
+struct KiviArgs {
+  int64_t B, H, n_rep, D, T, R, L, layer;
+  int kbits, vbits, gk, gv;
+  int64_t window;  // 0: none
+  ScaleType st;
+  const float* q;
+  const uint8_t *kc, *vc;
+  const void *ks, *km, *vs, *vm;
+  const float *kr, *vr;
+  const int32_t* length;
+  int64_t splits;
+
+  // layer-and-head offsets (in elements)
+  int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
+};
+
+// Unpacks one planar-packed row of D channels (bits each) into D/W float vectors, channel order. `Scaled`: slab s is
+// masked in place, not shifted, so its codes come out multiplied by 2^(BITS*s) (exact; callers fold 2^-(BITS*s) into
+// the query scales or the accumulator), which saves a shift per vector.
+template <int D, int BITS, bool Scaled = true>
+inline void unpack_row(const uint8_t* row, vf* out) {
+  constexpr int P = 8 / BITS, WB = D / P;  // codes a byte, bytes a row (the width of one slab)
+  constexpr int32_t MASK = (1 << BITS) - 1;
+#pragma GCC unroll 8
+  for (int c = 0; c < WB / W; ++c) {
+    vi bytes = widen(row + c * W);
+#pragma GCC unroll 8
+    for (int s = 0; s < P; ++s) {
+      vi code = Scaled ? (bytes & (MASK << (BITS * s))) : ((bytes >> (BITS * s)) & MASK);
+      out[s * (WB / W) + c] = __builtin_convertvector(code, vf);
+    }
+  }
+}
+
+// 2^-(BITS * slab) of each vector of a row unpacked with Scaled = true.
+template <int D, int BITS>
+inline float slab_unscale(int k) {
+  constexpr int P = 8 / BITS, WB = D / P;
+  return 1.0f / (float)(1 << (BITS * ((k * W) / WB)));
+}
+
+template <int NR, int D, int KB, int VB>
+void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, float* part) {
+  constexpr int PK = 8 / KB, PV = 8 / VB;
+  const int64_t hi = a.head_index(b, h);
+  const int64_t length = a.length[b];
+  const int64_t R = a.R, gk = a.gk, gv = a.gv;
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(length - a.window + 1, 0) : 0;
+  const int64_t main_end = std::max<int64_t>(length - R, 0);  // keys and values both quantized below this
+  const int64_t k_end = (length / R) * R;                     // keys quantized below this
+  const int nr = std::min<int>(NR, a.n_rep - r0);
+
+  const uint8_t* kc = a.kc + hi * a.T * (D / PK);
+  const uint8_t* vc = a.vc + hi * a.T * (D / PV);
+  const int64_t ks_off = hi * (a.T / gk) * D;  // key scales [T / G, D]
+  const int64_t vs_off = hi * a.T * (D / gv);  // value scales [T, D / Gv]
+
+  float q[NR][D];
+  for (int r = 0; r < NR; ++r)
+    for (int d = 0; d < D; ++d)
+      q[r][d] = r < nr ? a.q[((b * a.H + h) * a.n_rep + r0 + r) * D + d] : 0.0f;
+
+  Rows<NR, D> st;
+  st.init();
+  alignas(64) float scores[NR][MAX_CHUNK];
+  alignas(64) float p[NR][MAX_CHUNK];
+  alignas(64) float qs[NR][D];
+  float bias[NR];
+  alignas(64) float kscale[D], kmin[D];
+  int vgroup[D / W];  // value channel group of each vector
+  for (int k = 0; k < D / W; ++k) vgroup[k] = (k * W) / gv;
+  const int ngv = D / gv;
+
+  // Main segment: this split's share of the key groups covering [lo, main_end).
+  const int64_t first = lo / gk, last = (main_end + gk - 1) / gk;
+  const int64_t n_groups = std::max<int64_t>(last - first, 0);
+  const int64_t per = (n_groups + a.splits - 1) / a.splits;
+  const int64_t g_begin = first + split * per, g_end = std::min(first + (split + 1) * per, last);
+  vf codes[D / W];
+  alignas(64) vf partial[NR][W];  // per-token partial dot vectors of one W-token block, reduced together
+  alignas(64) float vsc[MAX_CHUNK * (D / 16)], vmn[MAX_CHUNK * (D / 16)];  // the chunk's value scales and mins
+  alignas(64) float ps[NR][MAX_CHUNK * (D / 16)];  // p * value scale
+  float kunscale[D / W], vunscale[D / W];
+  for (int k = 0; k < D / W; ++k) {
+    kunscale[k] = slab_unscale<D, KB>(k);
+    vunscale[k] = slab_unscale<D, VB>(k);
+  }
+  for (int r = 0; r < NR; ++r)  // acc holds slab-scaled sums (codes unpacked as c * 2^(VB * slab)) until the ring
+    for (int k = 0; k < D / W; ++k) st.acc[r][k] = vf{};
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const int64_t t_begin = std::max(g * gk, lo), t_end = std::min((g + 1) * gk, main_end);
+    const int n = (int)(t_end - t_begin);
+    if (n <= 0) continue;
+    load_scales(a.ks, ks_off + g * D, D, a.st, kscale);
+    load_scales(a.km, ks_off + g * D, D, a.st, kmin);
+    for (int r = 0; r < NR; ++r) {
+      vf bsum{};
+      for (int k = 0; k < D / W; ++k) {
+        vf qv = vload(q[r] + k * W);
+        vstore(qs[r] + k * W, qv * vload(kscale + k * W) * kunscale[k]);
+        bsum += qv * vload(kmin + k * W);
+      }
+      bias[r] = hsum(bsum);
+    }
+    for (int i0 = 0; i0 < n; i0 += W) {
+      const int m = std::min(W, n - i0);
+      for (int i = 0; i < m; ++i) {
+        unpack_row<D, KB>(kc + (t_begin + i0 + i) * (D / PK), codes);
+        for (int r = 0; r < NR; ++r) {
+          vf acc = codes[0] * vload(qs[r]);
+#pragma GCC unroll 8
+          for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
+          partial[r][i] = acc;
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        for (int i = m; i < W; ++i) partial[r][i] = vf{};
+        vstore(scores[r] + i0, reduce16(partial[r]) + bias[r]);
+      }
+    }
+    st.update(scores, p, n);
+    load_scales(a.vs, vs_off + t_begin * ngv, n * ngv, a.st, vsc);
+    load_scales(a.vm, vs_off + t_begin * ngv, n * ngv, a.st, vmn);
+    // Transposed to [group][token] (zero past n), so p * scale and Σ p * min run over tokens in vectors.
+    const int nv = (n + W - 1) / W;
+    alignas(64) float vsc_t[D / 16][MAX_CHUNK], vmn_t[D / 16][MAX_CHUNK];
+    for (int j = 0; j < ngv; ++j) {
+      for (int i = 0; i < n; ++i) {
+        vsc_t[j][i] = vsc[i * ngv + j];
+        vmn_t[j][i] = vmn[i * ngv + j];
+      }
+      for (int i = n; i < nv * W; ++i) vsc_t[j][i] = vmn_t[j][i] = 0.0f;
+    }
+    float mins[NR][D / 16];  // Σ_t p_t m_tg per row and value group
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < ngv; ++j) {
+        vf msum{};
+        for (int c = 0; c < nv; ++c) {
+          vf pv = vload(p[r] + c * W);
+          vstore(ps[r] + j * MAX_CHUNK + c * W, pv * vload(vsc_t[j] + c * W));
+          msum += pv * vload(vmn_t[j] + c * W);
+        }
+        mins[r][j] = hsum(msum);
+      }
+    for (int i = 0; i < n; ++i) {
+      unpack_row<D, VB>(vc + (t_begin + i) * (D / PV), codes);
+      for (int r = 0; r < NR; ++r) {
+        const float* pr = ps[r] + i;
+#pragma GCC unroll 8
+        for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * pr[vgroup[k] * MAX_CHUNK];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < D / W; ++k) st.acc[r][k] += mins[r][vgroup[k]] / vunscale[k];
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < D / W; ++k) st.acc[r][k] *= vunscale[k];
+
+  // Residual segment (the last split): ring slots holding tokens in [max(main_end, lo), length); keys already flushed
+  // (token < k_end) come from the last quantized key block, dequantized.
+  if (split == a.splits - 1 && length > 0) {
+    const float* kr = a.kr + hi * R * D;
+    const float* vr = a.vr + hi * R * D;
+    const int64_t flushed_row = std::max<int64_t>(length / R - 1, 0) * R;
+    const int64_t last_tok = length - 1;
+    const int64_t seg_lo = std::max(main_end, lo);
+    for (int64_t c0 = 0; c0 < R; c0 += MAX_CHUNK) {
+      const int cn = (int)std::min<int64_t>(MAX_CHUNK, R - c0);
+      int slots[MAX_CHUNK];
+      int n = 0;
+      for (int s = 0; s < cn; ++s) {
+        const int64_t slot = c0 + s;
+        const int64_t tok = last_tok - ((last_tok - slot) % R + R) % R;
+        if (tok >= 0 && tok >= seg_lo) slots[n++] = (int)slot;
+      }
+      if (n == 0) continue;
+      for (int i = 0; i < n; ++i) {
+        const int64_t slot = slots[i];
+        const int64_t tok = last_tok - ((last_tok - slot) % R + R) % R;
+        alignas(64) float key[D];
+        if (tok < k_end) {
+          const int64_t row = flushed_row + slot;
+          load_scales(a.ks, ks_off + (row / gk) * D, D, a.st, kscale);
+          load_scales(a.km, ks_off + (row / gk) * D, D, a.st, kmin);
+          unpack_row<D, KB, false>(kc + row * (D / PK), codes);
+          for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
+        } else {
+          std::memcpy(key, kr + slot * D, D * sizeof(float));
+        }
+        for (int r = 0; r < NR; ++r) {
+          vf acc{};
+          for (int k = 0; k < D / W; ++k) acc += vload(q[r] + k * W) * vload(key + k * W);
+          scores[r][i] = hsum(acc);
+        }
+      }
+      st.update(scores, p, n);
+      for (int i = 0; i < n; ++i) {
+        const float* v = vr + slots[i] * D;
+        for (int r = 0; r < NR; ++r) {
+          const float pr = p[r][i];
+          for (int k = 0; k < D / W; ++k) st.acc[r][k] += vload(v + k * W) * pr;
+        }
+      }
+    }
+  }
+  st.store(part, nr);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Full precision
+
+struct FullArgs {
+  int64_t B, H, n_rep, D, T, L, layer;
+  int64_t window;
+  const float *q, *k, *v;
+  const int32_t* length;
+  int64_t splits;
+  int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
+};
+
+constexpr int FULL_CHUNK = 64;
+
+template <int NR, int D>
+void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, float* part) {
+  const int64_t hi = a.head_index(b, h);
+  const int64_t length = a.length[b];
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(length - a.window + 1, 0) : 0;
+  const int nr = std::min<int>(NR, a.n_rep - r0);
+  const float* kp = a.k + hi * a.T * D;
+  const float* vp = a.v + hi * a.T * D;
+  float q[NR][D];
+  for (int r = 0; r < NR; ++r)
+    for (int d = 0; d < D; ++d)
+      q[r][d] = r < nr ? a.q[((b * a.H + h) * a.n_rep + r0 + r) * D + d] : 0.0f;
+  Rows<NR, D> st;
+  st.init();
+  alignas(64) float scores[NR][MAX_CHUNK];
+  alignas(64) float p[NR][MAX_CHUNK];
+  alignas(64) vf partial[NR][W];
+  const int64_t first = lo / FULL_CHUNK, last = (length + FULL_CHUNK - 1) / FULL_CHUNK;
+  const int64_t n_chunks = std::max<int64_t>(last - first, 0);
+  const int64_t per = (n_chunks + a.splits - 1) / a.splits;
+  const int64_t c_begin = first + split * per, c_end = std::min(first + (split + 1) * per, last);
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const int64_t t_begin = std::max<int64_t>(c * FULL_CHUNK, lo), t_end = std::min<int64_t>((c + 1) * FULL_CHUNK, length);
+    const int n = (int)(t_end - t_begin);
+    if (n <= 0) continue;
+    for (int i0 = 0; i0 < n; i0 += W) {
+      const int m = std::min(W, n - i0);
+      for (int i = 0; i < m; ++i) {
+        const float* kt = kp + (t_begin + i0 + i) * D;
+        vf kv[D / W];
+        for (int k = 0; k < D / W; ++k) kv[k] = vload(kt + k * W);
+        for (int r = 0; r < NR; ++r) {
+          vf acc = kv[0] * vload(q[r]);
+#pragma GCC unroll 8
+          for (int k = 1; k < D / W; ++k) acc += kv[k] * vload(q[r] + k * W);
+          partial[r][i] = acc;
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        for (int i = m; i < W; ++i) partial[r][i] = vf{};
+        vstore(scores[r] + i0, reduce16(partial[r]));
+      }
+    }
+    st.update(scores, p, n);
+    for (int i = 0; i < n; ++i) {
+      const float* vt = vp + (t_begin + i) * D;
+      vf vv[D / W];
+      for (int k = 0; k < D / W; ++k) vv[k] = vload(vt + k * W);
+      for (int r = 0; r < NR; ++r) {
+        const float pr = p[r][i];
+#pragma GCC unroll 8
+        for (int k = 0; k < D / W; ++k) st.acc[r][k] += vv[k] * pr;
+      }
+    }
+  }
+  st.store(part, nr);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Shared driver: items (b, h, row block, split), then the combine with the new token.
+
+struct Layout {
+  int64_t B, H, n_rep, D, splits, blocks;
+  int64_t items() const { return B * H * blocks * splits; }
+  // partials: [B, H, splits, n_rep, D + 2]
+  int64_t part_offset(int64_t b, int64_t h, int64_t s, int64_t r) const {
+    return (((b * H + h) * splits + s) * n_rep + r) * (D + 2);
+  }
+};
+
+int64_t choose_splits(int64_t B, int64_t H, int64_t blocks, int64_t workers, int64_t max_units, int64_t min_units) {
+  // Enough items for every worker to get about four (load balance), each at least `min_units` of work.
+  int64_t base = B * H * blocks;
+  int64_t want = (4 * workers + base - 1) / base;
+  int64_t cap = std::max<int64_t>(max_units / std::max<int64_t>(min_units, 1), 1);
+  return std::max<int64_t>(1, std::min(want, cap));
+}
+
+void combine(const Layout& lay, const float* parts, const float* q, const float* kn, const float* vn, float* out) {
+  const int64_t D = lay.D;
+  for (int64_t b = 0; b < lay.B; ++b)
+    for (int64_t h = 0; h < lay.H; ++h) {
+      const float* k = kn + (b * lay.H + h) * D;
+      const float* v = vn + (b * lay.H + h) * D;
+      for (int64_t r = 0; r < lay.n_rep; ++r) {
+        const float* qr = q + ((b * lay.H + h) * lay.n_rep + r) * D;
+        float s_new = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s_new += qr[d] * k[d];
+        float m = s_new;
+        for (int64_t s = 0; s < lay.splits; ++s) m = std::max(m, parts[lay.part_offset(b, h, s, r)]);
+        float w_new = std::exp(s_new - m), l = w_new;
+        float* o = out + ((b * lay.H + h) * lay.n_rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = w_new * v[d];
+        for (int64_t s = 0; s < lay.splits; ++s) {
+          const float* pt = parts + lay.part_offset(b, h, s, r);
+          if (pt[0] == NEG_INF) continue;
+          float w = std::exp(pt[0] - m);
+          l += w * pt[1];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * pt[2 + d];
+        }
+        for (int64_t d = 0; d < D; ++d) o[d] /= l;
+      }
+    }
+}
+
+// Query rows scaled by 1/sqrt(D), [B, Hq, D].
+std::vector<float> scaled_queries(const float* q, int64_t n, int64_t D) {
+  std::vector<float> out(q, q + n);
+  const float sm = 1.0f / std::sqrt((float)D);
+  for (auto& x : out) x *= sm;
+  return out;
+}
+
+template <typename Args, typename ItemFn>
+void run_items(ffi::ThreadPool& pool, const Layout& lay, const Args& args, ItemFn item, std::vector<float>& parts) {
+  parts.assign(lay.B * lay.H * lay.splits * lay.n_rep * (lay.D + 2), 0.0f);
+  float* base = parts.data();
+  parallel_for(pool, lay.items(), [&](int64_t i) {
+    int64_t s = i % lay.splits, rest = i / lay.splits;
+    int64_t blk = rest % lay.blocks;
+    rest /= lay.blocks;
+    int64_t h = rest % lay.H, b = rest / lay.H;
+    int r0 = (int)(blk * MAX_ROWS);
+    item(args, b, h, r0, s, base + lay.part_offset(b, h, s, r0));
+  });
+}
+
+using KiviFn = void (*)(const KiviArgs&, int64_t, int64_t, int, int64_t, float*);
+using FullFn = void (*)(const FullArgs&, int64_t, int64_t, int, int64_t, float*);
+
+template <int NR, int D>
+KiviFn kivi_pick_bits(int kb, int vb) {
+  if (kb == 2 && vb == 2) return kivi_item<NR, D, 2, 2>;
+  if (kb == 2 && vb == 4) return kivi_item<NR, D, 2, 4>;
+  if (kb == 4 && vb == 2) return kivi_item<NR, D, 4, 2>;
+  if (kb == 4 && vb == 4) return kivi_item<NR, D, 4, 4>;
+  return nullptr;
+}
+
+template <int NR>
+KiviFn kivi_pick(int64_t D, int kb, int vb) {
+  if (D == 64) return kivi_pick_bits<NR, 64>(kb, vb);
+  if (D == 128) return kivi_pick_bits<NR, 128>(kb, vb);
+  return nullptr;
+}
+
+KiviFn kivi_kernel(int nr, int64_t D, int kb, int vb) {
+  switch (nr) {
+    case 1: return kivi_pick<1>(D, kb, vb);
+    case 2: return kivi_pick<2>(D, kb, vb);
+    case 3: return kivi_pick<3>(D, kb, vb);
+    default: return kivi_pick<4>(D, kb, vb);
+  }
+}
+
+template <int NR>
+FullFn full_pick(int64_t D) {
+  if (D == 64) return full_item<NR, 64>;
+  if (D == 128) return full_item<NR, 128>;
+  return nullptr;
+}
+
+FullFn full_kernel(int nr, int64_t D) {
+  switch (nr) {
+    case 1: return full_pick<1>(D);
+    case 2: return full_pick<2>(D);
+    case 3: return full_pick<3>(D);
+    default: return full_pick<4>(D);
+  }
+}
+
+ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc, ffi::AnyBuffer ks,
+                          ffi::AnyBuffer km, ffi::Buffer<ffi::U8> vc, ffi::AnyBuffer vs, ffi::AnyBuffer vm,
+                          ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t k_bits, int64_t v_bits, int64_t k_group,
+                          int64_t v_group, int64_t window) {
+  auto qd = q.dimensions(), kcd = kc.dimensions(), krd = kr.dimensions();
+  if (qd.size() != 4 || kcd.size() != 5 || krd.size() != 5)
+    return ffi::Error::InvalidArgument("kivi_decode: q must be [B, 1, Hq, D], stores and rings [L, B, H, ., .]");
+  KiviArgs a;
+  a.L = kcd[0];
+  a.B = kcd[1];
+  a.H = kcd[2];
+  a.T = kcd[3];
+  a.D = qd[3];
+  a.n_rep = qd[2] / a.H;
+  a.R = krd[3];
+  a.kbits = (int)k_bits;
+  a.vbits = (int)v_bits;
+  a.gk = (int)k_group;
+  a.gv = (int)v_group;
+  a.window = window;
+  auto et = ks.element_type();
+  if (et != km.element_type() || et != vs.element_type() || et != vm.element_type())
+    return ffi::Error::InvalidArgument("kivi_decode: scales and mins must share one dtype");
+  if (et == ffi::DataType::F16) a.st = F16;
+  else if (et == ffi::DataType::BF16) a.st = BF16;
+  else if (et == ffi::DataType::F32) a.st = F32;
+  else return ffi::Error::InvalidArgument("kivi_decode: scales must be float16, bfloat16 or float32");
+  if (a.gk <= 0 || a.gk > MAX_CHUNK || a.T % a.gk || a.R % a.gk || a.gv < W || a.gv % W || a.D % a.gv)
+    return ffi::Error::InvalidArgument("kivi_decode: unsupported group sizes");
+  KiviFn probe = kivi_kernel(MAX_ROWS, a.D, a.kbits, a.vbits);
+  if (!probe) return ffi::Error::InvalidArgument("kivi_decode: unsupported head_dim or bits");
+  a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
+  a.length = length.typed_data();
+  a.kc = kc.typed_data();
+  a.vc = vc.typed_data();
+  a.ks = ks.untyped_data();
+  a.km = km.untyped_data();
+  a.vs = vs.untyped_data();
+  a.vm = vm.untyped_data();
+  a.kr = kr.typed_data();
+  a.vr = vr.typed_data();
+  std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
+  a.q = qs.data();
+
+  Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
+  lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / a.gk, 512 / a.gk);
+  a.splits = lay.splits;
+  std::vector<float> parts;
+  run_items(pool, lay, a, [&](const KiviArgs& args, int64_t b, int64_t h, int r0, int64_t s, float* part) {
+    int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
+    kivi_kernel(nr, args.D, args.kbits, args.vbits)(args, b, h, r0, s, part);
+  }, parts);
+  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error FullDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
+                          ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn, ffi::ResultBuffer<ffi::F32> out,
+                          int64_t window) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 5)
+    return ffi::Error::InvalidArgument("full_decode: q must be [B, 1, Hq, D], k and v [L, B, H, T, D]");
+  FullArgs a;
+  a.L = kd[0];
+  a.B = kd[1];
+  a.H = kd[2];
+  a.T = kd[3];
+  a.D = qd[3];
+  a.n_rep = qd[2] / a.H;
+  a.window = window;
+  if (!full_kernel(MAX_ROWS, a.D)) return ffi::Error::InvalidArgument("full_decode: unsupported head_dim");
+  a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
+  a.length = length.typed_data();
+  a.k = k.typed_data();
+  a.v = v.typed_data();
+  std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
+  a.q = qs.data();
+  Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
+  lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / FULL_CHUNK, 512 / FULL_CHUNK);
+  a.splits = lay.splits;
+  std::vector<float> parts;
+  run_items(pool, lay, a, [&](const FullArgs& args, int64_t b, int64_t h, int r0, int64_t s, float* part) {
+    int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
+    full_kernel(nr, args.D)(args, b, h, r0, s, part);
+  }, parts);
+  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, 1, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // key codes [L, B, H, T, D / pk]
+                                  .Arg<ffi::AnyBuffer>()         // key scales [L, B, H, T / G, D]
+                                  .Arg<ffi::AnyBuffer>()         // key mins
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // value codes [L, B, H, T, D / pv]
+                                  .Arg<ffi::AnyBuffer>()         // value scales [L, B, H, T, D / Gv]
+                                  .Arg<ffi::AnyBuffer>()         // value mins
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // key ring [L, B, H, R, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // value ring
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // length [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new key [B, 1, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new value
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, 1, Hq, D]
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("v_bits")
+                                  .Attr<int64_t>("k_group")
+                                  .Attr<int64_t>("v_group")
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxFullDecode, FullDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, 1, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [L, B, H, T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // length [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new key [B, 1, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new value
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, 1, Hq, D]
+                                  .Attr<int64_t>("window"));
