@@ -396,9 +396,14 @@ def full_cache_bytes(cfg: LlamaConfig, batch: int, max_tokens: int, compute_byte
     return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 4 * batch
 
 
-def make_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"):
-    """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', a KIVIConfig)."""
+def make_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None):
+    """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', a KIVIConfig); with `mesh` (a
+    Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
     spec = parse_cache_spec(spec)
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl), mesh)
     if spec == "full":
         return FullCache.create(cfg, batch, max_tokens, dtype, impl)
     return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl)

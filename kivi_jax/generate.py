@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import sharding
 from kivi_jax.cache import CacheCapacityError, make_cache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
@@ -69,7 +70,7 @@ def prefill_step(params: Params, tokens: jax.Array, lengths: jax.Array, cache, k
     """Prompt `tokens [batch, padded]` with `lengths [batch]` real tokens -> (first new token `[batch]`, cache, key)."""
     logits, cache = forward(params, tokens, cache, num_new=lengths, logits_at=lengths - 1)
     key, sub = jax.random.split(key)
-    return sample_tokens(logits[:, 0], sub, sampling), cache, key
+    return sharding.replicated(sample_tokens(logits[:, 0], sub, sampling)), cache, key  # whole on every device
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
@@ -77,7 +78,7 @@ def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampli
     """One token a sequence `[batch]` -> (next token `[batch]`, cache, key)."""
     logits, cache = forward(params, tokens[:, None], cache)
     key, sub = jax.random.split(key)
-    return sample_tokens(logits[:, 0], sub, sampling), cache, key
+    return sharding.replicated(sample_tokens(logits[:, 0], sub, sampling)), cache, key  # whole on every device
 
 
 def _is_token_list(x) -> bool:
@@ -228,10 +229,12 @@ def start(
     max_length: int | None = None,
     attention_impl: str = "auto",
     stop_at_eos: bool = True,
+    mesh=None,
 ) -> Session:
     """Validates everything up front (so bad input fails before any compute) and returns the lazy step stream."""
     params, tokenizer = _unpack_model(model, tokenizer)
     cfg = params.config
+    mesh = sharding.resolve_mesh(mesh)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
     sampling = Sampling(temperature, top_k, top_p)
@@ -247,21 +250,28 @@ def start(
         spec.check_shapes(cfg.head_dim, max_tokens)
     padded = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, max_tokens)
     batch = len(prompts)
-    tokens = np.full((batch, padded), cfg.pad_id, np.int32)
+    # On a mesh the batch is padded to a multiple of the data axis with one-token dummy rows, dropped from the output.
+    rows = batch if mesh is None else -(-batch // sharding.mesh_sizes(mesh)["data"]) * sharding.mesh_sizes(mesh)["data"]
+    tokens = np.full((rows, padded), cfg.pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths = np.array([len(p) for p in prompts] + [1] * (rows - batch), np.int32)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
     eos = np.array(cfg.eos_token_ids if stop_at_eos else [], np.int32)
     result: dict = {"prefill_seconds": 0.0, "overflow": False}
 
     def steps() -> Iterator[Step]:
         t0 = time.perf_counter()
-        kv = make_cache(spec, cfg, batch, max_tokens, params.dtype, attention_impl)
-        key = jax.random.PRNGKey(seed)
-        nxt, kv, key = prefill_step(params, jnp.asarray(tokens), jnp.asarray(lengths), kv, key, sampling)
+        kv = make_cache(spec, cfg, rows, max_tokens, params.dtype, attention_impl, mesh=mesh)
+        key, put = jax.random.PRNGKey(seed), jnp.asarray
+        if mesh is not None:
+            key, put = sharding.put(key, mesh), functools.partial(sharding.put_batch, mesh=mesh)
+        with sharding.use_mesh(mesh):
+            nxt, kv, key = prefill_step(params, put(tokens), put(lengths), kv, key, sampling)
         done = np.zeros(batch, bool)
         for i in range(max_new_tokens):
-            host = np.asarray(nxt)
+            host = np.asarray(nxt)[:batch]
             if i == 0:
                 result["prefill_seconds"] = time.perf_counter() - t0
             out = np.where(done, -1, host)
@@ -271,13 +281,16 @@ def start(
             yield Step(i, out, done.copy())
             if done.all():
                 break
-            feed = jnp.asarray(np.where(done, cfg.pad_id, host).astype(np.int32))
-            nxt, kv, key = decode_step(params, feed, kv, key, sampling)
-        if hasattr(kv, "overflow") and bool(np.any(np.asarray(kv.overflow))):
+            feed = np.full(rows, cfg.pad_id, np.int32)
+            feed[:batch] = np.where(done, cfg.pad_id, host)
+            with sharding.use_mesh(mesh):
+                nxt, kv, key = decode_step(params, put(feed), kv, key, sampling)
+        overflow = sharding.to_host(kv.overflow)[:batch] if hasattr(kv, "overflow") else None
+        if overflow is not None and bool(np.any(overflow)):
             result["overflow"] = True
             warnings.warn(
                 f"KIVI cache: a quantization scale or min overflowed {spec.scale_dtype} (|x| beyond its range) in "
-                "sequences " + str(np.flatnonzero(np.asarray(kv.overflow)).tolist()) + "; their output is unreliable. "
+                "sequences " + str(np.flatnonzero(overflow).tolist()) + "; their output is unreliable. "
                 "Store scales in float32 (KIVIConfig(scale_dtype='float32'), spec suffix -sf32).",
                 RuntimeWarning,
                 stacklevel=3,
@@ -297,7 +310,8 @@ def generate(model, prompt, **kwargs) -> Generation:
     `model`: the Model from `kivi_jax.load` (or Params plus `tokenizer=`). `prompt`: text, token ids, or a list of
     either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
     `top_k`, `top_p`, `seed`, `cache` ('full', 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
-    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`.
+    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`, `mesh` (a
+    jax.sharding.Mesh or 'data=2,model=4': params and cache sharded over devices, see kivi_jax.sharding).
     """
     t0 = time.perf_counter()
     _, tokenizer = _unpack_model(model, kwargs.get("tokenizer"))

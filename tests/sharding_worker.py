@@ -1,0 +1,260 @@
+"""Runs sharded checks in a process of its own (tests/test_sharding.py starts it): the forced CPU device count must be
+set before jax starts, and only here, so the rest of the suite keeps one device.
+
+`python tests/sharding_worker.py devices8` -> one JSON object on the last stdout line with the measurements of
+every check on 8 CPU devices; `python tests/sharding_worker.py distributed PORT PROCESS_ID` -> one process of a
+two-process `jax.distributed` run on localhost (2 CPU devices each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+MODE = sys.argv[1]
+DEVICES = {"devices8": 8, "distributed": 2}[MODE]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's kivi_jax
+
+if MODE == "distributed":
+    from kivi_jax import sharding as _sharding
+
+    _sharding.initialize_distributed(f"localhost:{sys.argv[2]}", 2, int(sys.argv[3]))
+
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from kivi_jax import sharding  # noqa: E402
+from kivi_jax.cache import make_cache  # noqa: E402
+from kivi_jax.generate import generate  # noqa: E402
+from kivi_jax.models.config import LlamaConfig  # noqa: E402
+from kivi_jax.models.llama import forward, init_params  # noqa: E402
+
+KIVI = "k2v2-g32-r32"  # kivi2 with a short ring, so the quantized stores and a key flush are exercised
+MAX_TOKENS = 128
+LENGTHS = [40, 7, 31, 25, 33, 12, 1, 29]  # ragged prompts: 31 flushes a key block on the first decode step
+DECODE = 6
+MESHES = ["data=8,model=1", "data=2,model=4", "data=1,model=8"]
+
+
+def tiny(name: str) -> LlamaConfig:
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=64,
+                  max_position_embeddings=512, eos_token_ids=(), pad_token_id=0)
+    if name == "llama":  # GQA n_rep 2, untied
+        return LlamaConfig(num_heads=16, num_kv_heads=8, **common)
+    if name == "mistral":  # sliding window shorter than the sequences, tied embeddings
+        return LlamaConfig(num_heads=8, num_kv_heads=8, sliding_window=20, tie_word_embeddings=True,
+                           model_type="mistral", **common)
+    if name == "llama_3kv":  # SmolLM2's head layout: 3 kv heads, 9 query heads
+        return LlamaConfig(num_heads=9, num_kv_heads=3, **common)
+    raise KeyError(name)
+
+
+def prompts(batch: int = len(LENGTHS)) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.array(LENGTHS[:batch], np.int32)
+    tokens = np.random.RandomState(1).randint(3, 96, (batch, max(lengths))).astype(np.int32)
+    tokens[np.arange(max(lengths))[None, :] >= lengths[:, None]] = 0
+    return tokens, lengths
+
+
+def greedy_run(params, spec: str, mesh, impl: str = "xla", compiled_text: bool = False) -> dict:
+    """Prefill then DECODE greedy steps through the cache; logits `[steps, batch, vocab]`, tokens, the final cache."""
+    cfg = params.config
+    tokens, lengths = prompts()
+    batch = len(lengths)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
+    cache = make_cache(spec, cfg, batch, MAX_TOKENS, jnp.float32, impl, mesh=mesh)
+    put = jnp.asarray if mesh is None else (lambda x: sharding.put_batch(x, mesh))
+    out = {}
+    with sharding.use_mesh(mesh):
+        prefill = jax.jit(lambda p, t, n, c: forward(p, t, c, num_new=n, logits_at=n - 1), donate_argnums=(3,))
+        decode = jax.jit(lambda p, t, c: forward(p, t[:, None], c), donate_argnums=(2,))
+        args = (params, put(tokens), put(lengths), cache)
+        if compiled_text:
+            out["prefill_hlo"] = prefill.lower(*args).compile().as_text()
+        logits, cache = prefill(*args)
+        steps = [np.asarray(logits[:, 0])]
+        nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        if compiled_text:
+            out["decode_hlo"] = decode.lower(params, nxt, cache).compile().as_text()
+        for _ in range(DECODE):
+            logits, cache = decode(params, nxt, cache)
+            steps.append(np.asarray(logits[:, 0]))
+            nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+    out.update(logits=np.stack(steps), tokens=np.stack(steps).argmax(-1), cache=cache, params=params)
+    return out
+
+
+def largest_all_gather(hlo: str) -> int:
+    """Elements of the largest array any all-gather in compiled HLO produces (0 when there is none)."""
+    sizes = [0]
+    for m in re.finditer(r"= \w+\[([0-9,]*)\]\{[^}]*\} all-gather(?:-start)?\(", hlo):
+        dims = [int(d) for d in m.group(1).split(",") if d]
+        sizes.append(int(np.prod(dims)) if dims else 1)
+    for m in re.finditer(r"= \((\w+\[[0-9,]*\][^)]*)\) all-gather-start\(", hlo):
+        for dims in re.findall(r"\[([0-9,]*)\]", m.group(1)):
+            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+    return max(sizes)
+
+
+def leaf_report(tree, specs) -> list[dict]:
+    """Each leaf's path, global shape, sharding spec, shard shape, and whether it matches the table's spec."""
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(flat, spec_leaves):
+        want = jax.sharding.NamedSharding(leaf.sharding.mesh, spec)
+        out.append({"path": jax.tree_util.keystr(path, simple=True, separator="."), "shape": list(leaf.shape),
+                    "spec": [None if a is None else a for a in tuple(leaf.sharding.spec)],
+                    "shard_shape": list(leaf.sharding.shard_shape(leaf.shape)),
+                    "matches_table": bool(leaf.sharding.is_equivalent_to(want, leaf.ndim))})
+    return out
+
+
+def check_parity() -> list[dict]:
+    rows = []
+    cases = [(m, s, mesh) for m in ("llama", "mistral") for s in ("full", KIVI) for mesh in MESHES]
+    cases += [("llama_3kv", KIVI, "data=2,model=4")]
+    refs = {}
+    for model, spec, mesh_text in cases:
+        params = init_params(tiny(model), jax.random.PRNGKey(0), std=0.1)
+        if (model, spec) not in refs:
+            refs[(model, spec)] = greedy_run(params, spec, None)
+        ref = refs[(model, spec)]
+        mesh = sharding.make_mesh(mesh_text)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = greedy_run(params, spec, mesh, compiled_text=(mesh_text == "data=2,model=4"))
+        cache = got["cache"]
+        row = {
+            "model": model, "spec": spec, "mesh": mesh_text,
+            "max_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
+            "logit_scale": float(np.max(np.abs(ref["logits"]))),
+            "tokens_equal": bool(np.array_equal(got["tokens"], ref["tokens"])),
+            "cache_leaves": leaf_report(cache, sharding.cache_specs(cache, mesh)),
+            "param_leaves": leaf_report(got["params"], sharding.param_specs(got["params"], mesh)),
+            "warnings": [str(w.message) for w in caught],
+        }
+        if "decode_hlo" in got:
+            stores = [leaf for leaf in jax.tree_util.tree_leaves(cache) if leaf.ndim == 5]
+            row["smallest_store_shard"] = min(int(np.prod(x.sharding.shard_shape(x.shape))) for x in stores)
+            row["largest_all_gather_decode"] = largest_all_gather(got["decode_hlo"])
+            row["largest_all_gather_prefill"] = largest_all_gather(got["prefill_hlo"])
+        rows.append(row)
+    return rows
+
+
+def check_kernel() -> list[dict]:
+    """The Pallas kernels (interpret mode) per shard under shard_map against the unsharded XLA path."""
+    rows = []
+    params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
+    for spec in ("full", KIVI):
+        ref = greedy_run(params, spec, None, impl="xla")
+        got = greedy_run(params, spec, sharding.make_mesh("data=2,model=4"), impl="pallas")
+        rows.append({"spec": spec, "max_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
+                     "tokens_equal": bool(np.array_equal(got["tokens"], ref["tokens"]))})
+    return rows
+
+
+def check_lowering() -> list[dict]:
+    """The sharded prefill and decode step (XLA path) lower for TPU and CUDA; so does the real Triton kernel per
+    shard (its lowering, not interpret mode)."""
+    from kivi_jax.pallas_kernels import flash_decoding
+
+    rows = []
+    mesh = sharding.make_mesh("data=2,model=4")
+    cfg = tiny("llama")
+    params = sharding.shard_params(init_params(cfg, jax.random.PRNGKey(0)), mesh)
+    tokens, lengths = prompts()
+    tokens, lengths = sharding.put_batch(tokens, mesh), sharding.put_batch(lengths, mesh)
+    for impl in ("xla", "pallas"):
+        for spec in ("full", KIVI):
+            cache = jax.eval_shape(lambda: make_cache(spec, cfg, len(LENGTHS), MAX_TOKENS, jnp.float32, impl))
+            cache = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                                           sharding.named(sharding.cache_specs(cache, mesh), mesh))
+            for platform in ("tpu", "cuda") if impl == "xla" else ("cuda",):
+                row = {"impl": impl, "spec": spec, "platform": platform}
+                saved = flash_decoding.interpret_default
+                if impl == "pallas":  # the real kernel, as on a GPU
+                    flash_decoding.interpret_default = lambda interpret: False
+                try:
+                    with sharding.use_mesh(mesh):
+                        decode = jax.jit(lambda p, t, c: forward(p, t[:, :1], c))
+                        text = decode.trace(params, tokens, cache).lower(lowering_platforms=(platform,)).as_text()
+                        row["decode_ok"] = True
+                        row["shard_map_in_decode"] = "shard_map" in text or "sdy.manual_computation" in text
+                        row["triton_in_decode"] = "triton" in text
+                        if impl == "xla":
+                            prefill = jax.jit(lambda p, t, n, c: forward(p, t, c, num_new=n, logits_at=n - 1))
+                            prefill.trace(params, tokens, lengths, cache).lower(lowering_platforms=(platform,))
+                            row["prefill_ok"] = True
+                except RuntimeError as e:
+                    row["error"] = str(e)[:500]
+                    row["needs_cuda_plugin"] = "Triton compilation handler" in str(e)
+                finally:
+                    flash_decoding.interpret_default = saved
+                rows.append(row)
+    return rows
+
+
+def check_generate(mesh_text: str) -> dict:
+    """`generate(..., mesh=)` on a ragged batch of 3 prompts (padded to the data axis) against one device."""
+    params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
+    tokens, lengths = prompts(3)
+    batch = [tokens[i, : lengths[i]].tolist() for i in range(3)]
+    kw = dict(max_new_tokens=5, cache=KIVI, max_length=MAX_TOKENS, attention_impl="xla")
+    ref = generate(params, batch, **kw).sequences
+    got = generate(params, batch, mesh=mesh_text, **kw).sequences
+    return {"mesh": mesh_text, "ref": ref, "got": got}
+
+
+def check_errors() -> dict:
+    out = {}
+    try:
+        sharding.make_mesh("data=2,model=2")
+    except sharding.MeshError as e:
+        out["mesh_count"] = str(e)
+    cfg = tiny("llama")
+    cache = jax.eval_shape(lambda: make_cache(KIVI, cfg, 2, MAX_TOKENS))
+    bad = cache.replace(length=jax.ShapeDtypeStruct((2, 3), jnp.int32))
+    try:
+        sharding.cache_specs(bad, sharding.make_mesh("data=2,model=4"))
+    except sharding.MeshError as e:
+        out["unknown_leaf"] = str(e)
+    try:
+        sharding.cache_specs(jax.eval_shape(lambda: make_cache(KIVI, cfg, 3, MAX_TOKENS)), "data=2,model=4")
+    except sharding.MeshError as e:
+        out["batch"] = str(e)
+    return out
+
+
+def main_devices8() -> dict:
+    assert jax.device_count() == 8, jax.devices()
+    return {"parity": check_parity(), "kernel": check_kernel(), "lowering": check_lowering(),
+            "generate": [check_generate("data=2,model=4"), check_generate("data=8")], "errors": check_errors()}
+
+
+def main_distributed() -> dict:
+    assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+    result = check_generate("data=2,model=2")
+    result["process"] = jax.process_index()
+    return result
+
+
+def _json(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(type(x).__name__)
+
+
+if __name__ == "__main__":
+    result = main_devices8() if MODE == "devices8" else main_distributed()
+    print(json.dumps(result, default=_json))
