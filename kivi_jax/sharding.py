@@ -276,8 +276,8 @@ def named(specs, mesh: Mesh):
 def put(x, mesh: Mesh, spec: P = P()):
     """A host or device array placed on `mesh` with `spec`; works with many processes (each holding all of `x`)."""
     sharding = NamedSharding(mesh, spec)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
+    if isinstance(x, jax.Array):
+        return x if x.sharding == sharding else jax.device_put(x, sharding)  # reshards global arrays too
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
@@ -305,15 +305,28 @@ def make_cache(make: Callable[[], Any], mesh):
     return jax.jit(make, out_shardings=shardings)()
 
 
-def batch_spec(mesh, ndim: int = 1) -> P:
-    """`[batch, ...]` inputs (tokens, lengths) split on the data axis."""
-    return P("data", *([None] * (ndim - 1)))
+def constrain_cache(cache):
+    """Inside jit under an active mesh: the cache constrained to the table's shardings (so a compiled step's output
+    cache is laid out as its next call expects); outside a mesh: unchanged."""
+    mesh = active_mesh()
+    if mesh is None:
+        return cache
+    specs = cache_specs(cache, mesh)
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cache, specs)
 
 
-def put_batch(x, mesh: Mesh):
-    """A host array `[batch, ...]` placed on `mesh`, split over the data axis."""
-    x = np.asarray(x)
-    return put(x, mesh, spec_for(("batch",) + ("tokens",) * (x.ndim - 1), x.shape, mesh, True, "input"))
+def abstract_cache(cache, mesh):
+    """ShapeDtypeStructs of a (possibly abstract) cache carrying the table's shardings on `mesh` (for lowering)."""
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                                  named(cache_specs(cache, mesh), mesh))
+
+
+def put_batch(x, mesh: Mesh, axis: int = 0):
+    """An array whose dim `axis` is the batch (tokens, lengths, `[steps, windows]` inputs) placed on `mesh`, split
+    over the data axis there."""
+    shape = np.shape(x)
+    axes = tuple("batch" if i == axis else "tokens" for i in range(len(shape)))
+    return put(x if isinstance(x, jax.Array) else np.asarray(x), mesh, spec_for(axes, shape, mesh, True, "input"))
 
 
 def replicated(x):

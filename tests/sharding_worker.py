@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import time
 
 MODE = sys.argv[1]
 DEVICES = {"devices8": 8, "distributed": 2}[MODE]
@@ -64,8 +65,12 @@ def prompts(batch: int = len(LENGTHS)) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
-def greedy_run(params, spec: str, mesh, impl: str = "xla", compiled_text: bool = False) -> dict:
-    """Prefill then DECODE greedy steps through the cache; logits `[steps, batch, vocab]`, tokens, the final cache."""
+def greedy_run(params, spec: str, mesh, impl: str = "xla", ref: dict | None = None) -> dict:
+    """Prefill then DECODE greedy steps through the cache: logits `[steps, batch, vocab]`, tokens, the final cache.
+
+    With `ref` (an earlier run), also each decode step teacher-forced from the reference's own cache and token (put
+    on this run's mesh): `forced_logits`, and how many stored codes the step's output cache shares with the
+    reference's. Prefill and decode are compiled once each (the compiled HLO is kept)."""
     cfg = params.config
     tokens, lengths = prompts()
     batch = len(lengths)
@@ -73,24 +78,40 @@ def greedy_run(params, spec: str, mesh, impl: str = "xla", compiled_text: bool =
         params = sharding.shard_params(params, mesh)
     cache = make_cache(spec, cfg, batch, MAX_TOKENS, jnp.float32, impl, mesh=mesh)
     put = jnp.asarray if mesh is None else (lambda x: sharding.put_batch(x, mesh))
-    out = {}
+    place = (lambda c: c) if mesh is None else (lambda c: sharding.shard_cache(c.replace(impl=impl), mesh))
+    out = {"caches": [], "fed": []}
     with sharding.use_mesh(mesh):
-        prefill = jax.jit(lambda p, t, n, c: forward(p, t, c, num_new=n, logits_at=n - 1), donate_argnums=(3,))
-        decode = jax.jit(lambda p, t, c: forward(p, t[:, None], c), donate_argnums=(2,))
         args = (params, put(tokens), put(lengths), cache)
-        if compiled_text:
-            out["prefill_hlo"] = prefill.lower(*args).compile().as_text()
+        prefill = jax.jit(lambda p, t, n, c: forward(p, t, c, num_new=n, logits_at=n - 1)).lower(*args).compile()
         logits, cache = prefill(*args)
-        steps = [np.asarray(logits[:, 0])]
         nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-        if compiled_text:
-            out["decode_hlo"] = decode.lower(params, nxt, cache).compile().as_text()
-        for _ in range(DECODE):
+        decode = jax.jit(lambda p, t, c: forward(p, t[:, None], c)).lower(params, nxt, cache).compile()
+        steps, forced, agree = [np.asarray(logits[:, 0])], [], []
+        for i in range(DECODE):
+            out["caches"].append(jax.tree_util.tree_map(np.asarray, cache))
+            out["fed"].append(np.asarray(nxt))
+            if ref is not None:  # the same step from the reference's state
+                f_logits, f_cache = decode(params, put(ref["fed"][i]), place(ref["caches"][i]))
+                forced.append(np.asarray(f_logits[:, 0]))
+                want = ref["caches"][i + 1] if i + 1 < DECODE else ref["cache"]
+                agree.append(codes_agreement(f_cache, want))
             logits, cache = decode(params, nxt, cache)
             steps.append(np.asarray(logits[:, 0]))
             nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-    out.update(logits=np.stack(steps), tokens=np.stack(steps).argmax(-1), cache=cache, params=params)
+    out.update(logits=np.stack(steps), tokens=np.stack(steps).argmax(-1), cache=cache, params=params,
+               prefill_hlo=prefill.as_text(), decode_hlo=decode.as_text())
+    if ref is not None:
+        out.update(forced_logits=np.stack(forced), forced_codes_agree=min(agree))
     return out
+
+
+def codes_agreement(cache, want) -> float:
+    """The fraction of uint8 code bytes (1.0 for a full cache: none) two caches share."""
+    pairs = [(np.asarray(a), np.asarray(b)) for a, b in
+             zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(want)) if np.asarray(a).dtype == np.uint8]
+    if not pairs:
+        return 1.0
+    return float(sum((a == b).sum() for a, b in pairs) / sum(a.size for a, _ in pairs))
 
 
 def largest_all_gather(hlo: str) -> int:
@@ -119,31 +140,44 @@ def leaf_report(tree, specs) -> list[dict]:
     return out
 
 
+_REFS: dict = {}
+
+
+def reference(params, spec: str) -> dict:
+    """The one-device run of a (model, spec), computed once."""
+    key = (params.config, spec)
+    if key not in _REFS:
+        _REFS[key] = greedy_run(params, spec, None)
+    return _REFS[key]
+
+
 def check_parity() -> list[dict]:
     rows = []
     cases = [(m, s, mesh) for m in ("llama", "mistral") for s in ("full", KIVI) for mesh in MESHES]
     cases += [("llama_3kv", KIVI, "data=2,model=4")]
-    refs = {}
     for model, spec, mesh_text in cases:
         params = init_params(tiny(model), jax.random.PRNGKey(0), std=0.1)
-        if (model, spec) not in refs:
-            refs[(model, spec)] = greedy_run(params, spec, None)
-        ref = refs[(model, spec)]
+        ref = reference(params, spec)
         mesh = sharding.make_mesh(mesh_text)
+        t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = greedy_run(params, spec, mesh, compiled_text=(mesh_text == "data=2,model=4"))
+            got = greedy_run(params, spec, mesh, ref=ref)
+        seconds = round(time.perf_counter() - t0, 2)
         cache = got["cache"]
         row = {
-            "model": model, "spec": spec, "mesh": mesh_text,
-            "max_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
+            "model": model, "spec": spec, "mesh": mesh_text, "seconds": seconds,
+            "prefill_logit_diff": float(np.max(np.abs(got["logits"][0] - ref["logits"][0]))),
+            "decode_logit_diff": float(np.max(np.abs(got["forced_logits"] - ref["logits"][1:]))),
+            "free_running_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
+            "forced_codes_agree": got["forced_codes_agree"],
             "logit_scale": float(np.max(np.abs(ref["logits"]))),
             "tokens_equal": bool(np.array_equal(got["tokens"], ref["tokens"])),
             "cache_leaves": leaf_report(cache, sharding.cache_specs(cache, mesh)),
             "param_leaves": leaf_report(got["params"], sharding.param_specs(got["params"], mesh)),
             "warnings": [str(w.message) for w in caught],
         }
-        if "decode_hlo" in got:
+        if mesh_text == "data=2,model=4":
             stores = [leaf for leaf in jax.tree_util.tree_leaves(cache) if leaf.ndim == 5]
             row["smallest_store_shard"] = min(int(np.prod(x.sharding.shard_shape(x.shape))) for x in stores)
             row["largest_all_gather_decode"] = largest_all_gather(got["decode_hlo"])
@@ -157,9 +191,11 @@ def check_kernel() -> list[dict]:
     rows = []
     params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
     for spec in ("full", KIVI):
-        ref = greedy_run(params, spec, None, impl="xla")
-        got = greedy_run(params, spec, sharding.make_mesh("data=2,model=4"), impl="pallas")
-        rows.append({"spec": spec, "max_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
+        ref = reference(params, spec)  # the XLA path on one device
+        got = greedy_run(params, spec, sharding.make_mesh("data=2,model=4"), impl="pallas", ref=ref)
+        rows.append({"spec": spec, "prefill_logit_diff": float(np.max(np.abs(got["logits"][0] - ref["logits"][0]))),
+                     "decode_logit_diff": float(np.max(np.abs(got["forced_logits"] - ref["logits"][1:]))),
+                     "free_running_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
                      "tokens_equal": bool(np.array_equal(got["tokens"], ref["tokens"]))})
     return rows
 
@@ -211,7 +247,9 @@ def check_generate(mesh_text: str) -> dict:
     tokens, lengths = prompts(3)
     batch = [tokens[i, : lengths[i]].tolist() for i in range(3)]
     kw = dict(max_new_tokens=5, cache=KIVI, max_length=MAX_TOKENS, attention_impl="xla")
-    ref = generate(params, batch, **kw).sequences
+    if "generate" not in _REFS:
+        _REFS["generate"] = generate(params, batch, **kw).sequences
+    ref = _REFS["generate"]
     got = generate(params, batch, mesh=mesh_text, **kw).sequences
     return {"mesh": mesh_text, "ref": ref, "got": got}
 
@@ -236,10 +274,23 @@ def check_errors() -> dict:
     return out
 
 
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    TIMES[fn.__name__ + "".join(f"({a})" for a in args)] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+TIMES: dict = {}
+
+
 def main_devices8() -> dict:
     assert jax.device_count() == 8, jax.devices()
-    return {"parity": check_parity(), "kernel": check_kernel(), "lowering": check_lowering(),
-            "generate": [check_generate("data=2,model=4"), check_generate("data=8")], "errors": check_errors()}
+    out = {"parity": timed(check_parity), "kernel": timed(check_kernel), "lowering": timed(check_lowering),
+           "generate": [timed(check_generate, "data=2,model=4"), timed(check_generate, "data=8")],
+           "errors": timed(check_errors)}
+    out["seconds"] = TIMES
+    return out
 
 
 def main_distributed() -> dict:
