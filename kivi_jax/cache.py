@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kivi_jax import attention, quant
+from kivi_jax import attention, quant, sharding
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.attention import causal_attention
 from kivi_jax.models.config import LlamaConfig
@@ -50,6 +50,7 @@ def zero_padding(x: jax.Array, num_new: jax.Array) -> jax.Array:
     return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
+@sharding.per_shard(out="cache", buf="cache", rows="rows", values="cache")  # under a mesh: each shard its own rows
 def scatter_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """Writes `values [layers, batch, kv_heads, n, ...]` into `buf [layers, batch, kv_heads, rows, ...]` at token rows
     `rows [batch, n]`, for every layer. Rows out of range (e.g. `buf.shape[3]`) are dropped: a sequence skips a write."""

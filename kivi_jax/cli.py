@@ -54,7 +54,8 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
                         "(D x M = the device count, devices taken in order; see docs/sharding.md)")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: process 0's address for jax.distributed (or JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in all (or JAX_NUM_PROCESSES)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="multi-host: processes in all (or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (or JAX_PROCESS_ID)")
     p.add_argument("--distributed", action="store_true",
                    help="multi-host on a cluster jax detects itself (TPU slice, SLURM, Open MPI): no other flags")

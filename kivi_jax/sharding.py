@@ -276,11 +276,11 @@ def named(specs, mesh: Mesh):
 def put(x, mesh: Mesh, spec: P = P()):
     """A host or device array placed on `mesh` with `spec`; works with many processes (each holding all of `x`)."""
     sharding = NamedSharding(mesh, spec)
-    if isinstance(x, jax.Array):
-        return x if x.sharding == sharding else jax.device_put(x, sharding)  # reshards global arrays too
-    if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
-    host = np.asarray(x)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)  # one process, or a global array resharded
+    host = np.asarray(x)  # a host or process-local array: every process holds all of it
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
@@ -371,7 +371,7 @@ def per_device_bytes(tree, specs, mesh) -> int:
 def _decode_spec(role: str, ndim: int, batch_axis, head_axis) -> P:
     if role == "query":  # [batch, 1, heads, head_dim]
         return P(batch_axis, None, head_axis, None)
-    if role == "batch":  # [batch]
+    if role in ("batch", "rows"):  # [batch], or [batch, n] token rows
         return P(batch_axis)
     if role == "cache":  # [layers, batch, kv_heads, rows, cols], or one layer [batch, kv_heads, rows, cols]
         return P(None, batch_axis, head_axis) if ndim == 5 else P(batch_axis, head_axis)
@@ -380,13 +380,15 @@ def _decode_spec(role: str, ndim: int, batch_axis, head_axis) -> P:
     raise ValueError(f"unknown decode argument role {role!r}")
 
 
-def per_shard(**roles: str):
-    """Decorates a decode-attention dispatch so that, under an active mesh, it runs per shard in `shard_map` over
-    (batch on data, kv heads on model); without a mesh it is called as it is.
+def per_shard(out: str = "query", **roles: str):
+    """Decorates a function of per-sequence, per-kv-head work (decode attention, a cache write) so that, under an
+    active mesh, it runs per shard in `shard_map` over (batch on data, kv heads on model); without a mesh it is called
+    as it is.
 
     `roles` names each array argument's layout: `query` (q, k_new, v_new `[batch, 1, heads, head_dim]`), `cache`
-    (stacked or one-layer cache tensors, or pytrees of them such as a QuantStore), `batch` (`[batch]`), `replicated`
-    (the layer index). Other arguments (impl, window, a None layer) are static. The answer is laid out like q."""
+    (stacked or one-layer cache tensors, or pytrees of them such as a QuantStore), `batch` (`[batch]`), `rows`
+    (`[batch, n]` token rows), `replicated` (the layer index). Other arguments (impl, window, a None layer) are
+    static. The answer is laid out like a `query` (`out="query"`) or a stacked cache tensor (`out="cache"`)."""
 
     def wrap(fn):
         sig = inspect.signature(fn)
@@ -399,11 +401,10 @@ def per_shard(**roles: str):
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             names = [n for n in sig.parameters if n in roles and bound.arguments[n] is not None]
-            q = bound.arguments[next(n for n in names if roles[n] == "query")]
-            cache = next(bound.arguments[n] for n in names if roles[n] == "cache")
-            kv_heads = jax.tree_util.tree_leaves(cache)[0].shape[-3]
+            cache = jax.tree_util.tree_leaves(next(bound.arguments[n] for n in names if roles[n] == "cache"))[0]
+            kv_heads, batch = cache.shape[-3], cache.shape[-4]
             sizes = mesh_sizes(mesh)
-            batch_axis = "data" if q.shape[0] % sizes["data"] == 0 else None
+            batch_axis = "data" if batch % sizes["data"] == 0 else None
             head_axis = "model" if heads_sharded(kv_heads, mesh) else None
 
             def spec_tree(name):
@@ -416,7 +417,7 @@ def per_shard(**roles: str):
                 return fn(**local)
 
             in_specs = tuple(spec_tree(n) for n in names)
-            out_spec = _decode_spec("query", 4, batch_axis, head_axis)
+            out_spec = _decode_spec(out, 4 if out == "query" else 5, batch_axis, head_axis)
             return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
                 *(bound.arguments[n] for n in names))
 
@@ -450,6 +451,6 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
                         "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), or none of them with "
                         "--distributed on a cluster jax detects (TPU slice, SLURM, Open MPI)")
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in env:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU arrays across processes (tests, CPU hosts)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU arrays across processes
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     return True
