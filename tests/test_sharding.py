@@ -143,6 +143,27 @@ def test_per_device_bytes_of_a_7b_cache():
         assert per == (whole - 32) // 8 + (32 if mesh.startswith("data=1") else 4)
 
 
+def test_bench_memory_per_device(capsys):
+    from kivi_jax import cli
+    from kivi_jax.bench import abstract_params, max_batch
+    from kivi_jax.cache import full_cache_bytes, tree_bytes
+
+    cfg = PRESETS["llama2-7b"]
+    assert cli.main(["bench", "memory", "--model", "llama2-7b", "--context", "4096", "--budget", "80GB", "--no-temps",
+                     "--cache", "full,kivi2", "--mesh", "data=1,model=8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    full = out["results"]["full"]["per_device"]
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 2  # replicated; everything else splits 8 ways
+    weights = (tree_bytes(abstract_params(cfg, jnp.bfloat16)) - norms) // 8 + norms
+    per_seq = (full_cache_bytes(cfg, 1, 4096, 2) - 4) // 8 + 4  # the length counter is not split by model
+    assert full["weights_bytes_per_device"] == weights and full["cache_bytes_per_device_per_seq"] == per_seq
+    assert full["max_batch"] == max_batch(80 * 10**9, weights, per_seq) > 8 * 30  # 30 fit one 80 GB device
+    kivi = out["results"]["kivi2"]["per_device"]
+    assert kivi["max_batch"] > 4 * full["max_batch"]
+    assert kivi["max_context_one_seq_per_data_shard"] > 4 * full["max_context_one_seq_per_data_shard"]
+    assert cli.main(["bench", "memory", "--model", "llama2-7b", "--no-temps", "--mesh", "data=3,rows=2"]) == 2
+
+
 def test_initialize_distributed_needs_all_or_none(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
