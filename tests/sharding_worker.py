@@ -257,6 +257,17 @@ def check_generate(mesh_text: str, reference: bool = True) -> dict:
     return {"mesh": mesh_text, "ref": ref, "got": got}
 
 
+def check_evaluate() -> dict:
+    """`evaluate(..., mesh=)` (teacher-forced NLL through the cache) against one device."""
+    from kivi_jax import evaluate
+
+    params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
+    windows = np.random.RandomState(0).randint(3, 96, (4, 32 + 4 + 1))
+    ref = evaluate.evaluate(params, windows, 32, ["full"], "xla")["full"]
+    got = evaluate.evaluate(params, windows, 32, ["full"], "xla", mesh="data=2,model=4")["full"]
+    return {"ref_nll": ref["nll_per_window"], "got_nll": got["nll_per_window"]}
+
+
 def check_errors() -> dict:
     out = {}
     try:
@@ -291,7 +302,7 @@ def main_devices8(part: str) -> dict:
     assert jax.device_count() == 8, jax.devices()
     if part == "llama":
         out = {"parity": timed(check_parity, "llama"), "kernel": timed(check_kernel),
-               "generate": [timed(check_generate, "data=2,model=4")]}
+               "generate": [timed(check_generate, "data=2,model=4")], "evaluate": timed(check_evaluate)}
     else:
         out = {"parity": timed(check_parity, "mistral"), "lowering": timed(check_lowering),
                "errors": timed(check_errors)}

@@ -249,6 +249,11 @@ def test_generate_with_a_mesh(devices8):
         assert [len(s) for s in r["got"]] == [5, 5, 5]
 
 
+def test_evaluate_with_a_mesh(devices8):
+    ref, got = devices8["evaluate"]["ref_nll"], devices8["evaluate"]["got_nll"]
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
+
+
 def test_errors_name_what_is_wrong(devices8):
     err = devices8["errors"]
     assert "needs 4 devices, but there are 8" in err["mesh_count"]
