@@ -244,16 +244,16 @@ def check_lowering() -> list[dict]:
 
 
 def check_generate(mesh_text: str, reference: bool = True) -> dict:
-    """`generate(..., mesh=)` on a ragged batch of 3 prompts (padded to the data axis) against one device (`ref`,
-    unless `reference` is False)."""
+    """`generate(..., mesh=)` on a ragged batch of 3 prompts (padded to the data axis), then on one device (`ref`,
+    unless `reference` is False). The sharded run comes first: processes of a distributed run reach it together."""
     params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
     tokens, lengths = prompts(3)
     batch = [tokens[i, : lengths[i]].tolist() for i in range(3)]
     kw = dict(max_new_tokens=5, cache=KIVI, max_length=MAX_TOKENS, attention_impl="xla")
+    got = generate(params, batch, mesh=mesh_text, **kw).sequences
     if "generate" not in _REFS and reference:
         _REFS["generate"] = generate(params, batch, **kw).sequences
     ref = _REFS.get("generate")
-    got = generate(params, batch, mesh=mesh_text, **kw).sequences
     return {"mesh": mesh_text, "ref": ref, "got": got}
 
 
