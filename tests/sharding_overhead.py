@@ -1,7 +1,8 @@
 """Decode-step time on 8 forced CPU devices against one device, in one process: `python tests/sharding_overhead.py`.
 
 The 8 devices share this machine's cores, so the ratio measures the overhead of sharding (partitioned programs,
-collectives, per-shard attention), not a speed-up. Prints one JSON object.
+collectives, per-shard attention), not a speed-up. Each number is the fastest step over two interleaved rounds of
+15 timed steps (the least disturbed by other work on the machine). Prints one JSON object.
 """
 
 import json
@@ -25,9 +26,13 @@ CONTEXT, BATCH, REPEATS = 1024, 8, 15
 params = init_params(CFG, jax.random.PRNGKey(0))
 out = {"device": bench.device_name(), "devices": jax.device_count(), "config": CFG.to_dict(), "context": CONTEXT,
        "batch": BATCH, "results": {}}
-for mesh in (None, "data=8", "data=2,model=4", "model=8"):
-    rows = bench.bench_decode(params, [CONTEXT], [BATCH], ["full", "kivi2"], "xla", REPEATS, 3, mesh=mesh)
-    out["results"][mesh or "one device"] = {r["cache"]: r["step_ms_median"] for r in rows}
+MESHES = (None, "data=8", "data=2,model=4", "model=8")
+for spec in ("full", "kivi2"):  # the meshes interleaved, twice: a load spike on the shared cores hits all of them
+    for round_ in range(2):
+        for mesh in MESHES:
+            rows = bench.bench_decode(params, [CONTEXT], [BATCH], [spec], "xla", REPEATS, 3, mesh=mesh)
+            best = out["results"].setdefault(mesh or "one device", {})
+            best[spec] = min(best.get(spec, float("inf")), rows[0]["step_ms_min"])  # fastest step seen
 one = out["results"]["one device"]
 out["ratio_vs_one_device"] = {m: {c: t / one[c] for c, t in r.items()} for m, r in out["results"].items()}
 print(json.dumps(out))
