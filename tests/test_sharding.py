@@ -59,7 +59,7 @@ def workers():
     for p in procs.values():
         if p.poll() is None:
             p.kill()
-            p.wait()
+        p.communicate()  # reaps it and closes its pipes
 
 
 @pytest.fixture(scope="module")
