@@ -28,11 +28,17 @@ from kivi_jax.models.llama import Params, forward
 __version__ = "0.1.0"
 
 
-def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True) -> Model:
+def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True, mesh=None) -> Model:
     """Loads a model: a known name (`smollm2`, fetched and converted once, then cached), an HF directory, a `.gguf`
     file or a kivi_jax checkpoint directory. Returns `Model(params, config, tokenizer)`; `dtype` casts the weights
     (the compute dtype: float32 on CPU, bfloat16 on GPU; float32, bfloat16 or float16, a name or a jnp dtype;
-    float64 only with JAX's x64 mode on)."""
+    float64 only with JAX's x64 mode on); `mesh` (a jax.sharding.Mesh or 'data=2,model=4') places them sharded over
+    its devices (kivi_jax.sharding)."""
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        model = load(name_or_path, dtype, progress)
+        return model._replace(params=sharding.shard_params(model.params, mesh))
     from kivi_jax import checkpoint, hub
 
     dtype = checkpoint.check_dtype(dtype)

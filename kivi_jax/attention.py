@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kivi_jax import layout
+from kivi_jax import layout, sharding
 
 BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
 
@@ -390,6 +390,8 @@ def attend_kivi(impl: str, q, positions, k_store, v_store, layer, k_ring, v_ring
                            window)
 
 
+@sharding.per_shard(q="query", k_cache="cache", v_cache="cache", layer="replicated", length="batch", k_new="query",
+                    v_new="query")  # under a mesh: per shard over (batch, kv heads)
 def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, window):
     """Decode attention over one layer of a full-precision cache with the chosen implementation.
 
@@ -413,6 +415,8 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
     return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window)
 
 
+@sharding.per_shard(q="query", k_store="cache", v_store="cache", layer="replicated", k_ring="cache", v_ring="cache",
+                    length="batch", k_new="query", v_new="query")  # under a mesh: per shard over (batch, kv heads)
 def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window):
     """Decode attention over one layer of a KIVI cache with the chosen implementation.
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import sharding
 from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.config import LlamaConfig
@@ -22,22 +23,27 @@ from kivi_jax.models.llama import Params, forward, init_params
 
 
 def random_cache(spec, cfg, batch: int, max_tokens: int, length: int, dtype=jnp.float32, impl: str = "auto",
-                 seed: int = 0):
-    """A cache of `max_tokens` holding `length` tokens of random content (decode cost does not depend on values)."""
-    cache = make_cache(spec, cfg, batch, max_tokens, dtype, impl)
-    key = jax.random.PRNGKey(seed)
-    leaves, treedef = jax.tree_util.tree_flatten(cache)
-    keys = jax.random.split(key, len(leaves))
-    filled = []
-    for k, leaf in zip(keys, leaves):
-        if leaf.dtype == jnp.uint8:
-            filled.append(jax.random.randint(k, leaf.shape, 0, 256, jnp.int32).astype(jnp.uint8))
-        elif jnp.issubdtype(leaf.dtype, jnp.floating):
-            filled.append((0.1 * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
-        else:
-            filled.append(leaf)
-    cache = jax.tree_util.tree_unflatten(treedef, filled)
-    return cache.replace(length=jnp.full((batch,), length, jnp.int32))
+                 seed: int = 0, mesh=None):
+    """A cache of `max_tokens` holding `length` tokens of random content (decode cost does not depend on values);
+    with `mesh`, made already sharded."""
+
+    def fill():
+        cache = make_cache(spec, cfg, batch, max_tokens, dtype, impl)
+        key = jax.random.PRNGKey(seed)
+        leaves, treedef = jax.tree_util.tree_flatten(cache)
+        keys = jax.random.split(key, len(leaves))
+        filled = []
+        for k, leaf in zip(keys, leaves):
+            if leaf.dtype == jnp.uint8:
+                filled.append(jax.random.randint(k, leaf.shape, 0, 256, jnp.int32).astype(jnp.uint8))
+            elif jnp.issubdtype(leaf.dtype, jnp.floating):
+                filled.append((0.1 * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
+            else:
+                filled.append(leaf)
+        cache = jax.tree_util.tree_unflatten(treedef, filled)
+        return cache.replace(length=jnp.full((batch,), length, jnp.int32))
+
+    return fill() if mesh is None else sharding.make_cache(fill, mesh)
 
 
 def decode_step_fn():
@@ -45,14 +51,22 @@ def decode_step_fn():
     return jax.jit(lambda params, tokens, cache: forward(params, tokens, cache), donate_argnums=(2,))
 
 
-def time_decode(params: Params, cache, repeats: int = 10, warmup: int = 2) -> dict:
-    """Median / min / spread of the decode step's wall time (ms), the cache advancing one token per call.
+def time_decode(params: Params, cache, repeats: int = 10, warmup: int = 2, mesh=None) -> dict:
+    """Median / min / spread of the decode step's wall time (ms), the cache advancing one token per call; with
+    `mesh`, params, cache and tokens sharded on it.
 
     The first call's time (compilation included) is reported as `compile_s`.
     """
+    with sharding.use_mesh(mesh):
+        return _time_decode(params, cache, repeats, warmup, mesh)
+
+
+def _time_decode(params: Params, cache, repeats: int, warmup: int, mesh) -> dict:
     step = decode_step_fn()
     batch = cache.length.shape[0]
     tokens = jnp.ones((batch, 1), jnp.int32)
+    if mesh is not None:
+        params, tokens = sharding.shard_params(params, mesh), sharding.put_batch(np.ones((batch, 1), np.int32), mesh)
     t0 = time.perf_counter()
     logits, cache = step(params, tokens, cache)
     logits.block_until_ready()
@@ -199,11 +213,13 @@ def with_ratio_vs_full(group: list[dict], key: str) -> list[dict]:
 
 
 def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", repeats: int = 10,
-                 warmup: int = 2, log=None) -> list[dict]:
+                 warmup: int = 2, log=None, mesh=None) -> list[dict]:
     """Decode-step time for every (context, batch, cache spec), each spec's ratio against `full` of the same run.
 
-    `impl` applies to every spec (the full-precision baseline too); an entry 'spec@impl' picks its own."""
+    `impl` applies to every spec (the full-precision baseline too); an entry 'spec@impl' picks its own. With `mesh`
+    (a Mesh or 'data=2,model=4'), sharded over its devices."""
     cfg, dtype = params.config, params.dtype
+    mesh = sharding.resolve_mesh(mesh)
     rows = []
     for context in contexts:
         max_tokens = cache_tokens(context, warmup + repeats + 2, [split_impl(s)[0] for s in specs])
@@ -211,8 +227,8 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
             group = []
             for entry in specs:
                 spec, spec_impl = split_impl(entry, impl)
-                cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, spec_impl)
-                t = time_decode(params, cache, repeats, warmup)
+                cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, spec_impl, mesh=mesh)
+                t = time_decode(params, cache, repeats, warmup, mesh)
                 del cache
                 row = {**spec_fields(entry), "attention_impl": spec_impl, "context": context, "batch": batch, **t}
                 group.append(row)
@@ -255,12 +271,43 @@ def max_batch(budget: int, weights: int, per_seq: float, fixed: float = 0.0) -> 
     return max(int(free // per_seq), 0) if per_seq > 0 else 0
 
 
+def per_device_memory(cfg: LlamaConfig, spec, context: int, dtype, budget: int, mesh, impl: str = "auto") -> dict:
+    """On a mesh of that shape (a string or sizes; no devices needed): bytes one device holds of the weights and of
+    one sequence's cache (`context` tokens), the largest global batch (a multiple of the data axis) whose weights and
+    caches fit `budget` per device, and the longest context for one sequence per data shard within it."""
+    sizes = sharding.mesh_sizes(mesh)
+    data = sizes["data"]
+    weights_tree = abstract_params(cfg, dtype)
+    weights = sharding.per_device_bytes(weights_tree, sharding.param_specs(weights_tree, sizes), sizes)
+    multiple = cache_tokens(1, 0, [spec])  # the allocation unit of a cache's tokens
+
+    def per_device(tokens: int) -> int:  # one sequence on each data shard
+        cache = abstract_cache(spec, cfg, data, tokens, dtype, impl)
+        return sharding.per_device_bytes(cache, sharding.cache_specs(cache, sizes), sizes)
+
+    per_seq = per_device(context)
+    base, slope = per_device(multiple), (per_device(2 * multiple) - per_device(multiple)) / multiple
+    free = budget - weights
+    longest = 0 if free < base else multiple + int((free - base) // slope) // multiple * multiple
+    if longest and per_device(longest) > free:  # the linear model overshot (it should not): step back
+        longest -= multiple
+    return {
+        "mesh": ",".join(f"{k}={v}" for k, v in sizes.items()),
+        "heads_split": sharding.heads_sharded(cfg.num_kv_heads, sizes, warn=False),
+        "weights_bytes_per_device": weights,
+        "cache_bytes_per_device_per_seq": per_seq,
+        "max_batch": data * max_batch(budget, weights, per_seq),
+        "max_context_one_seq_per_data_shard": longest,
+    }
+
+
 def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl: str = "auto",
-                 temps: bool = True) -> dict:
+                 temps: bool = True, mesh=None) -> dict:
     """Per spec at `context` tokens a sequence: cache bytes from the pytree leaves (batch 1) and from the formula,
     the ratio against the full cache, the largest batch with weights + batch * cache <= `budget`, and (`temps`) the
     compiled decode step's temporary bytes at batch 1 and per extra sequence (from batch 9), with the largest batch
-    when those temporaries count too."""
+    when those temporaries count too. With `mesh` (a shape such as 'data=1,model=8'; no devices needed), each row
+    also has `per_device`: see `per_device_memory` (the budget is then per device)."""
     compute_bytes = jnp.dtype(dtype).itemsize
     weights = tree_bytes(abstract_params(cfg, dtype))
     full = tree_bytes(abstract_cache("full", cfg, 1, context, dtype, impl))
@@ -284,6 +331,8 @@ def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl
                 "decode_temp_per_seq_bytes": per_seq,
                 "max_batch_with_temps": max_batch(budget, weights, cache + per_seq, t1 - per_seq),
             })
+        if mesh is not None:
+            row["per_device"] = per_device_memory(cfg, spec, context, dtype, budget, mesh, impl)
         results[spec_label(spec)] = row
     return {"context": context, "weights_bytes": weights, "full_cache_bytes": full, "results": results}
 

@@ -61,6 +61,7 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: s
 
 def add_bench_commands(sub) -> None:
     """The `decode`, `memory` and `generate` subcommands of `kivi-jax bench`."""
+    from kivi_jax.cli import add_mesh_args
     d = sub.add_parser("decode", help="jit-compiled decode-step latency and tokens/s against the full-precision cache")
     _common(d, None, "compute dtype (default: as stored, float32; the full cache's element type)")
     d.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384], help="tokens in the cache (default 1024,4096,16384)")
@@ -70,6 +71,7 @@ def add_bench_commands(sub) -> None:
                         "full@xla,full@native,kivi2@native (ratios against the first full one, and each in ratio_vs)")
     d.add_argument("--repeats", type=integer(1), default=10, help="timed steps per configuration (default 10)")
     d.add_argument("--warmup", type=integer(0), default=2, help="untimed steps after the compiling one (default 2)")
+    add_mesh_args(d)
     d.set_defaults(func=cmd_decode)
 
     m = sub.add_parser("memory", help="cache bytes, the formula, decode temporaries and the largest batch in a budget")
@@ -79,6 +81,9 @@ def add_bench_commands(sub) -> None:
                                                      "GiB 2^30)")
     m.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
     m.add_argument("--no-temps", action="store_true", help="skip compiling the decode step (no temporary bytes)")
+    m.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="also report bytes per device on a mesh of this shape, the budget then per device: the "
+                        "largest batch and context (no devices needed; see docs/sharding.md)")
     m.set_defaults(func=cmd_memory)
 
     g = sub.add_parser("generate", help="end-to-end generation throughput (prefill + N new tokens) across batch sizes")
@@ -127,11 +132,15 @@ def cmd_decode(args) -> int:
     _check_positive(repeats=args.repeats, layers=args.layers)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, not {args.warmup}")
+    from kivi_jax.cli import mesh_from_args
+
+    mesh = mesh_from_args(args)
     params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
     rows = bench.bench_decode(params, args.contexts, args.batch, args.cache, args.attention_impl, args.repeats,
-                              args.warmup, log=None if args.json else _log)
+                              args.warmup, log=None if args.json else _log, mesh=mesh)
     out = {
         **_header(args, params),
+        "mesh": args.mesh,
         "attention_impl": args.attention_impl,
         "repeats": args.repeats,
         "results": rows,
@@ -168,7 +177,12 @@ def cmd_memory(args) -> int:
     budget = bench.parse_bytes(args.budget)
     dtype = _dtype(args.dtype)
     cfg = bench.model_config(args.model, args.layers)
-    table = bench.bench_memory(cfg, args.context, args.cache, dtype, budget, args.attention_impl, not args.no_temps)
+    if args.mesh is not None:
+        from kivi_jax import sharding
+
+        sharding.parse_mesh_shape(args.mesh)  # a bad shape fails before any work
+    table = bench.bench_memory(cfg, args.context, args.cache, dtype, budget, args.attention_impl, not args.no_temps,
+                               mesh=args.mesh)
     results = table["results"]
     out = {
         "model": args.model,
@@ -177,6 +191,7 @@ def cmd_memory(args) -> int:
         "context": args.context,
         "budget_bytes": budget,
         "weights_bytes": table["weights_bytes"],
+        "mesh": args.mesh,
         "results": results,
     }
     if args.plot:
@@ -214,6 +229,15 @@ def cmd_memory(args) -> int:
     print(_table(header, rows))
     print("max batch: weights + batch x cache within the budget; with temps: plus the compiled decode step's "
           "temporaries on this backend")
+    if args.mesh is not None:
+        first = next(iter(results.values()))["per_device"]
+        print(f"\n# per device on mesh {first['mesh']} ({'heads split' if first['heads_split'] else 'heads replicated'}"
+              f" on the model axis), budget {fb(budget)} per device, weights {fb(first['weights_bytes_per_device'])} "
+              "per device")
+        print(_table(["cache", "bytes/seq/device", "max batch", "max context (one seq per data shard)"],
+                     [[name, fb(r["per_device"]["cache_bytes_per_device_per_seq"]), r["per_device"]["max_batch"],
+                       r["per_device"]["max_context_one_seq_per_data_shard"]] for name, r in results.items()]))
+        print("max context counts memory only (the model's own position limit is not applied)")
     if args.plot:
         print(f"plot: {out['plot']}")
     return 0

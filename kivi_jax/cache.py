@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kivi_jax import attention, layout, quant
+from kivi_jax import attention, layout, quant, sharding
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 
@@ -38,6 +38,7 @@ def tree_bytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+@sharding.per_shard(out="cache", buf="cache", rows="rows", values="cache")  # under a mesh: each shard its own rows
 def scatter_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """Writes `values [layers, batch, kv_heads, n, ...]` into `buf [layers, batch, kv_heads, rows, ...]` at token rows
     `rows [batch, n]`, for every layer. Rows out of range (e.g. `buf.shape[3]`) are dropped: a sequence skips a write."""
@@ -444,9 +445,14 @@ def full_cache_bytes(cfg: LlamaConfig, batch: int, max_tokens: int, compute_byte
     return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 8 * batch
 
 
-def make_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"):
-    """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', a KIVIConfig)."""
+def make_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None):
+    """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', a KIVIConfig); with `mesh` (a
+    Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
     spec = parse_cache_spec(spec)
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl), mesh)
     if spec == "full":
         return FullCache.create(cfg, batch, max_tokens, dtype, impl)
     return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl)

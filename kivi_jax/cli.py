@@ -86,6 +86,28 @@ def sampling_from_args(args) -> dict:
                 top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, prefill_chunk=args.prefill_chunk)
 
 
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """`--mesh` and the multi-host flags, one definition for every subcommand that runs a model."""
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run sharded over a device mesh: the batch split D ways, heads, MLP and vocabulary M ways "
+                        "(D x M = the device count, devices taken in order; see docs/sharding.md)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="multi-host: processes in all (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (or JAX_PROCESS_ID)")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host on a cluster jax detects itself (TPU slice, SLURM, Open MPI): no other flags")
+
+
+def mesh_from_args(args):
+    """Starts jax.distributed if the flags or environment ask for it, then builds `--mesh` (None without it)."""
+    from kivi_jax import sharding
+
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    return sharding.resolve_mesh(args.mesh)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default; fetched and converted once) or a path: HF directory, .gguf, kivi_jax checkpoint")
@@ -97,8 +119,9 @@ def cmd_generate(args) -> int:
     from kivi_jax.generate import Generation, start
 
     spec = cache_from_args(args)  # a bad cache spec or flag fails before the model loads
+    mesh = mesh_from_args(args)
     t0 = time.perf_counter()
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json, mesh=mesh)
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     session = start(
@@ -110,6 +133,7 @@ def cmd_generate(args) -> int:
         cache=spec,
         max_length=args.max_length,
         attention_impl=args.attention_impl,
+        mesh=mesh,
     )
     tok = model.tokenizer
     ids: list[int] = []
@@ -253,7 +277,7 @@ def _eval_model_and_text(args):
                              f"{e.start}); give a UTF-8 text file") from None
         except OSError as e:
             raise ValueError(f"cannot read --text {args.text}: {e.strerror or e}; give a UTF-8 text file") from None
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json, mesh=args.mesh_obj)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; eval needs one to turn --text into tokens")
     return model, evaluate.tokenize(model.tokenizer, text), name
@@ -277,12 +301,14 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     from kivi_jax import evaluate
 
     evaluate.check_protocol(args.prefill, args.decode, args.windows)
+    args.mesh_obj = mesh_from_args(args)
     model, tokens, text_name = _eval_model_and_text(args)
     windows = evaluate.make_windows(tokens, args.prefill, args.decode, args.windows)
     n_specs = len(set(specs) | {"full"})
     bar, progress = _progress_bar(n_specs * args.decode, show=not args.quiet)
     try:
-        results = evaluate.evaluate(model.params, windows, args.prefill, specs, args.attention_impl, progress)
+        results = evaluate.evaluate(model.params, windows, args.prefill, specs, args.attention_impl, progress,
+                                    mesh=args.mesh_obj)
     finally:
         bar.close()
     header = {"model": args.model, "text": text_name, "text_tokens": int(len(tokens)),
@@ -354,6 +380,7 @@ def cmd_eval_errors(args) -> int:
         raise ValueError(f"--tokens {args.tokens} must be a positive multiple of --group-size {args.group_size}")
     if args.windows < 1:
         raise ValueError(f"--windows must be at least 1 (got {args.windows})")
+    args.mesh_obj = None  # the error diagnostics run on one device
     model, tokens, text_name = _eval_model_and_text(args)
     if len(tokens) < args.tokens:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than --tokens {args.tokens}")
@@ -389,6 +416,7 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
                    help="windows evenly spaced over the text, run as one batch (default 4)")
     cli_args.add_impl_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    add_mesh_args(p)
 
 
 def add_eval_parser(sub) -> None:
@@ -464,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_cache_args(g)
+    add_mesh_args(g)
     g.set_defaults(func=cmd_generate)
 
     ch = sub.add_parser(

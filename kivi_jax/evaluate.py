@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import quant
+from kivi_jax import quant, sharding
 from kivi_jax.cache import make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
@@ -88,13 +88,13 @@ def chunk_size(decode: int, most: int = 32) -> int:
     return best if best >= 4 else decode
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "max_tokens", "impl"))
-def _prefill(params: Params, prompts: jax.Array, spec, max_tokens: int, impl: str):
-    """A fresh cache filled with `prompts [windows, prefill]`."""
+@functools.partial(jax.jit, static_argnames=("spec", "max_tokens", "impl", "mesh"))
+def _prefill(params: Params, prompts: jax.Array, spec, max_tokens: int, impl: str, mesh=None):
+    """A fresh cache filled with `prompts [windows, prefill]` (sharded on `mesh` when one is given)."""
     n_win, prefill = prompts.shape
-    cache = make_cache(spec, params.config, n_win, max_tokens, params.dtype, impl)
+    cache = make_cache(spec, params.config, n_win, max_tokens, params.dtype, impl, mesh=mesh)
     _, cache = forward(params, prompts, cache, logits_at=jnp.full((n_win,), prefill - 1))
-    return cache
+    return sharding.constrain_cache(cache)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -116,22 +116,25 @@ def _decode_steps(params: Params, cache, inputs: jax.Array, targets: jax.Array, 
         top1 = (jnp.argmax(logp, -1) == jnp.argmax(ref, -1)).astype(jnp.float32)
         return cache, (nll, kl, top1, None)
 
-    return jax.lax.scan(step, cache, (inputs, targets, ref))
+    cache, outs = jax.lax.scan(step, cache, (inputs, targets, ref))
+    return sharding.constrain_cache(cache), outs
 
 
 def teacher_forced(
     params: Params, windows, prefill: int, spec, ref_logprobs=None, impl: str = "auto",
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, mesh=None,
 ) -> dict:
     """Runs one cache spec over `windows [windows, prefill + decode + 1]`.
 
     Returns per scored token `[windows, decode]` arrays `nll`, `kl`, `top1` (against `ref_logprobs`, the `logprobs`
     of an earlier run: step-major `[decode, windows, vocab]`), this run's `logprobs` when it had no reference, and
     timings: `compile_seconds`, `prefill_seconds`, `decode_seconds` (compilation excluded from both).
-    `progress(steps)` is called as decode steps complete.
+    `progress(steps)` is called as decode steps complete. `mesh` (a Mesh or 'data=2,model=4'): params and caches
+    sharded, the windows split over the data axis.
     """
     spec = parse_cache_spec(spec)
-    windows = jnp.asarray(windows, jnp.int32)
+    mesh = sharding.resolve_mesh(mesh)
+    windows = np.asarray(windows, np.int32)
     n_win, size = windows.shape
     decode = size - prefill - 1
     check_protocol(prefill, decode, n_win)
@@ -140,26 +143,37 @@ def teacher_forced(
     targets = windows[:, prefill + 1 :].T
     chunk = chunk_size(decode)
 
+    if mesh is None:
+        put = jnp.asarray
+    else:
+        params = sharding.shard_params(params, mesh)
+        put = functools.partial(sharding.put_batch, mesh=mesh, axis=1)  # [steps, windows(, vocab)]
+
     def ref_at(i):
-        return None if ref_logprobs is None else ref_logprobs[i : i + chunk]
+        return None if ref_logprobs is None else put(ref_logprobs[i : i + chunk])
 
     t0 = time.perf_counter()
     prompts = windows[:, :prefill]
-    run_prefill = _prefill.lower(params, prompts, spec, max_tokens, impl).compile()
-    cache_shape = jax.eval_shape(lambda p, w: _prefill(p, w, spec, max_tokens, impl), params, prompts)
-    run_steps = _decode_steps.lower(params, cache_shape, inputs[:chunk], targets[:chunk], ref_at(0)).compile()
+    prompts = jnp.asarray(prompts) if mesh is None else sharding.put_batch(prompts, mesh)
+    with sharding.use_mesh(mesh):
+        run_prefill = _prefill.lower(params, prompts, spec, max_tokens, impl, mesh).compile()
+        cache_shape = jax.eval_shape(lambda p, w: _prefill(p, w, spec, max_tokens, impl, mesh), params, prompts)
+        if mesh is not None:
+            cache_shape = sharding.abstract_cache(cache_shape, mesh)
+        run_steps = _decode_steps.lower(params, cache_shape, put(inputs[:chunk]), put(targets[:chunk]),
+                                        ref_at(0)).compile()
     t1 = time.perf_counter()
     cache = jax.block_until_ready(run_prefill(params, prompts))
     t2 = time.perf_counter()
     outs = []
     for i in range(0, decode, chunk):
-        cache, out = run_steps(params, cache, inputs[i : i + chunk], targets[i : i + chunk], ref_at(i))
+        cache, out = run_steps(params, cache, put(inputs[i : i + chunk]), put(targets[i : i + chunk]), ref_at(i))
         jax.block_until_ready(out[0])
         outs.append(out)
         if progress is not None:
             progress(chunk)
     t3 = time.perf_counter()
-    nll, kl, top1 = (np.concatenate([np.asarray(o[j]) for o in outs]).T for j in range(3))  # [windows, decode]
+    nll, kl, top1 = (np.concatenate([sharding.to_host(o[j]) for o in outs]).T for j in range(3))  # [windows, decode]
     logp = None if ref_logprobs is not None else jnp.concatenate([o[3] for o in outs])
     return {"nll": nll, "kl": kl, "top1": top1, "logprobs": logp, "compile_seconds": t1 - t0,
             "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2}
@@ -167,16 +181,16 @@ def teacher_forced(
 
 def evaluate(
     params: Params, windows, prefill: int, specs, impl: str = "auto",
-    progress: Callable[[str, int], None] | None = None,
+    progress: Callable[[str, int], None] | None = None, mesh=None,
 ) -> dict:
     """Mean NLL, perplexity, KL vs full, top-1 agreement and decode throughput for each spec (`full` always included,
-    first). `progress(spec_name, steps)` is called as decode steps complete."""
+    first). `progress(spec_name, steps)` is called as decode steps complete; `mesh` as for `teacher_forced`."""
     names = list(dict.fromkeys(spec_name(parse_cache_spec(s)) for s in specs))
     names = ["full"] + [n for n in names if n != "full"]
     results, ref = {}, None
     for name in names:
         tick = None if progress is None else functools.partial(progress, name)
-        out = teacher_forced(params, windows, prefill, name, ref, impl, tick)
+        out = teacher_forced(params, windows, prefill, name, ref, impl, tick, mesh)
         if name == "full":
             ref = out["logprobs"]
         tokens = out["nll"].size

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import layout
+from kivi_jax import layout, sharding
 from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
                             make_cache)
 from kivi_jax.config import KIVIConfig, parse_cache_spec
@@ -97,10 +97,12 @@ def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, 
     return jnp.where((last_at >= 0)[:, None], logits[:, 0], last), cache
 
 
-def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK):
+def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
+            mesh=None):
     """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
     holds, `chunk` tokens at a time (None: at once); every chunk has one shape (n rounded up to PROMPT_BUCKET, at
     most `chunk`), so one compilation serves them all.
+    With `mesh` the inputs are placed split over its data axis (the caller runs this under `sharding.use_mesh`).
     Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
     batch, n = tokens.shape
     size = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET  # whole buckets, so similar prompts share one compilation
@@ -109,13 +111,14 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chun
     n_chunks = -(-n // size)
     tokens = np.pad(tokens, ((0, 0), (0, n_chunks * size - n)), constant_values=params.config.pad_id)
     lengths = np.asarray(lengths, np.int32)
-    last = jnp.zeros((batch, params.config.vocab_size), jnp.float32)
+    put = jnp.asarray if mesh is None else functools.partial(sharding.put_batch, mesh=mesh)
+    last = put(np.zeros((batch, params.config.vocab_size), np.float32))
     for c in range(n_chunks):
         start = c * size
         num_new = np.clip(lengths - start, 0, size).astype(np.int32)
         last_at = np.where((lengths - 1 >= start) & (lengths - 1 < start + size), lengths - 1 - start, -1)
-        last, cache = prefill_chunk(params, jnp.asarray(tokens[:, start : start + size]), jnp.asarray(num_new), cache,
-                                    last, jnp.asarray(last_at, jnp.int32))
+        last, cache = prefill_chunk(params, put(tokens[:, start : start + size]), put(num_new), cache, last,
+                                    put(last_at.astype(np.int32)))
     return last, cache
 
 
@@ -129,7 +132,7 @@ def check_chunk(chunk) -> int:
 def sample_step(logits: jax.Array, key: jax.Array, sampling: Sampling):
     """Next tokens `[batch]` from logits `[batch, vocab]` -> (tokens, key)."""
     key, sub = jax.random.split(key)
-    return sample_tokens(logits, sub, sampling), key
+    return sharding.replicated(sample_tokens(logits, sub, sampling)), key  # whole on every device
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
@@ -138,7 +141,7 @@ def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampli
     (next token `[batch]`, cache, key)."""
     logits, cache = forward(params, tokens[:, None], cache, num_new=num_new)
     key, sub = jax.random.split(key)
-    return sample_tokens(logits[:, 0], sub, sampling), cache, key
+    return sharding.replicated(sample_tokens(logits[:, 0], sub, sampling)), cache, key  # whole on every device
 
 
 def _is_token_list(x) -> bool:
@@ -318,10 +321,12 @@ def start(
     attention_impl: str = "auto",
     stop_at_eos: bool = True,
     prefill_chunk: int | None = PREFILL_CHUNK,
+    mesh=None,
 ) -> Session:
     """Validates everything up front (so bad input fails before any compute) and returns the lazy step stream."""
     params, tokenizer = _unpack_model(model, tokenizer)
     cfg = params.config
+    mesh = sharding.resolve_mesh(mesh)
     check_int("max_new_tokens", max_new_tokens, 1)
     if seed is None:  # documented: a fresh random seed, reported in the result
         seed = secrets.randbelow(2**32)
@@ -343,23 +348,29 @@ def start(
     if prefill_chunk is not None:
         check_chunk(prefill_chunk)
     batch = len(prompts)
-    tokens = np.full((batch, longest), cfg.pad_id, np.int32)
+    # On a mesh the batch is padded to a multiple of the data axis with one-token dummy rows, dropped from the output.
+    rows = batch if mesh is None else -(-batch // sharding.mesh_sizes(mesh)["data"]) * sharding.mesh_sizes(mesh)["data"]
+    tokens = np.full((rows, longest), cfg.pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths = np.array([len(p) for p in prompts] + [1] * (rows - batch), np.int32)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
     eos = np.array(cfg.eos_token_ids if stop_at_eos else [], np.int32)
     result: dict = {"prefill_seconds": 0.0, "overflow": False, "seed": seed}
 
     def steps() -> Iterator[Step]:
         t0 = time.perf_counter()
-        kv = make_cache(spec, cfg, batch, max_tokens, params.dtype, attention_impl)
-        key = jax.random.PRNGKey(seed)
-        last, kv = prefill(params, tokens, lengths, kv, prefill_chunk)
-        nxt, key = sample_step(last, key, sampling)
+        kv = make_cache(spec, cfg, rows, max_tokens, params.dtype, attention_impl, mesh=mesh)
+        key = jax.random.PRNGKey(seed) if mesh is None else sharding.put(jax.random.PRNGKey(seed), mesh)
+        put = jnp.asarray if mesh is None else functools.partial(sharding.put_batch, mesh=mesh)
+        with sharding.use_mesh(mesh):
+            last, kv = prefill(params, tokens, lengths, kv, prefill_chunk, mesh)
+            nxt, key = sample_step(last, key, sampling)
         done = np.zeros(batch, bool)
         for i in range(max_new_tokens):
             raise_cache_errors(kv)
-            host = np.asarray(nxt)
+            host = np.asarray(nxt)[:batch]
             if i == 0:
                 result["prefill_seconds"] = time.perf_counter() - t0
             out = np.where(done, -1, host)
@@ -369,19 +380,25 @@ def start(
             yield Step(i, out, done.copy())
             if done.all():
                 break
-            feed = jnp.asarray(np.where(done, cfg.pad_id, host).astype(np.int32))
-            nxt, kv, key = decode_step(params, feed, kv, key, sampling, jnp.asarray(~done, jnp.int32))
+            feed = np.full(rows, cfg.pad_id, np.int32)
+            feed[:batch] = np.where(done, cfg.pad_id, host)
+            live = np.zeros(rows, np.int32)
+            live[:batch] = ~done
+            with sharding.use_mesh(mesh):
+                nxt, kv, key = decode_step(params, put(feed), kv, key, sampling, put(live))
         raise_cache_errors(kv)
-        if hasattr(kv, "overflow") and bool(np.any(np.asarray(kv.overflow))):
+        overflow = sharding.to_host(kv.overflow)[:batch] if hasattr(kv, "overflow") else None
+        if overflow is not None and bool(np.any(overflow)):
             result["overflow"] = True
             warnings.warn(
                 f"KIVI cache: a quantization scale or min overflowed {spec.scale_dtype} (|x| beyond its range) in "
-                "sequences " + str(np.flatnonzero(np.asarray(kv.overflow)).tolist()) + "; their output is unreliable. "
+                "sequences " + str(np.flatnonzero(overflow).tolist()) + "; their output is unreliable. "
                 "Store scales in float32 (KIVIConfig(scale_dtype='float32'), spec suffix -sf32).",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        result["cache"] = cache_stats(kv, full_cache_bytes(cfg, batch, max_tokens, jnp.dtype(params.dtype).itemsize))
+        result["cache"] = cache_stats(kv, full_cache_bytes(cfg, rows, max_tokens, jnp.dtype(params.dtype).itemsize),
+                                      batch)
 
     return Session(prompts, single, steps(), result)
 
@@ -392,7 +409,7 @@ def raise_cache_errors(cache) -> None:
     flags = getattr(cache, "error_flags", None)
     if flags is None:
         return
-    flags = np.asarray(flags).reshape(-1)
+    flags = sharding.to_host(flags).reshape(-1)
     if not (flags & ~SCALE_OVERFLOW).any():
         return
     capacity = np.flatnonzero(flags & PAST_CAPACITY).tolist()
@@ -423,12 +440,12 @@ def quantized_counts(length, spec) -> tuple[np.ndarray, np.ndarray]:
             np.asarray(layout.quantized_end(spec.value_axis, length, r)))
 
 
-def cache_stats(cache, full_bytes: int) -> dict:
-    """What a cache holds and costs: tokens per sequence, tokens quantized (keys, values), its bytes, and
-    `full_bytes`, what a full-precision cache of the same shape takes (`full_cache_bytes`)."""
+def cache_stats(cache, full_bytes: int, batch: int | None = None) -> dict:
+    """What a cache holds and costs: tokens per sequence (the first `batch` rows), tokens quantized (keys, values),
+    its bytes, and `full_bytes`, what a full-precision cache of the same shape takes (`full_cache_bytes`)."""
     spec = getattr(cache, "config", None)
     spec = spec if isinstance(spec, KIVIConfig) else "full"
-    length = np.asarray(cache.length)
+    length = sharding.to_host(cache.length)[:batch]
     kq, vq = quantized_counts(length, spec)
     return {
         "cache": "full" if spec == "full" else spec.spec,
@@ -455,8 +472,9 @@ def generate(model, prompt, **kwargs) -> Generation:
     either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
     `top_k`, `top_p`, `seed` (an integer in [0, 2**32); None draws a fresh random seed, reported as
     `Generation.seed`), `cache` ('full', the default, 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
-    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas'), `stop_at_eos`, `prefill_chunk`
-    (prompt tokens a prefill call takes; longer prompts go in chunks of that shape; None: at once).
+    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas' | 'native'), `stop_at_eos`,
+    `prefill_chunk` (prompt tokens a prefill call takes; longer prompts go in chunks of that shape; None: at once),
+    `mesh` (a jax.sharding.Mesh or 'data=2,model=4': params and cache sharded over devices, see kivi_jax.sharding).
     """
     t0 = time.perf_counter()
     _, tokenizer = _unpack_model(model, kwargs.get("tokenizer"))
