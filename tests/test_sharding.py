@@ -120,7 +120,7 @@ def test_cache_specs_by_rule_and_unknown_leaves_fail():
     specs = sharding.cache_specs(cache, "data=2,model=4")
     for s in (specs.k.codes, specs.k.scale, specs.v.mn, specs.k_ring, specs.v_ring):
         assert s == P(None, "data", "model")
-    assert specs.length == P("data") and specs.overflow == P("data")
+    assert specs.length == P("data") and specs.error_flags == P("data")
     # a new [batch] flag or a [layers, batch, kv_heads, S, D] sink store is placed by rule, with no new entry
     grown = {"cache": cache, "error_flags": jax.ShapeDtypeStruct((4,), jnp.int32),
              "sink_k": jax.ShapeDtypeStruct((2, 4, 8, 4, 64), jnp.float32)}
@@ -137,10 +137,11 @@ def test_cache_specs_by_rule_and_unknown_leaves_fail():
 def test_per_device_bytes_of_a_7b_cache():
     cfg = PRESETS["llama2-7b"]
     cache = jax.eval_shape(lambda: make_cache("full", cfg, 8, 4096, jnp.bfloat16))
-    whole = 2 * 32 * 8 * 32 * 4096 * 128 * 2 + 8 * 4
+    book = 8 * (4 + 4)  # length and error_flags, int32, for 8 sequences: split by data only
+    whole = 2 * 32 * 8 * 32 * 4096 * 128 * 2 + book
     for mesh in ("data=1,model=8", "data=8,model=1"):
         per = sharding.per_device_bytes(cache, sharding.cache_specs(cache, mesh), mesh)
-        assert per == (whole - 32) // 8 + (32 if mesh.startswith("data=1") else 4)
+        assert per == (whole - book) // 8 + (book if mesh.startswith("data=1") else book // 8)
 
 
 def test_bench_memory_per_device(capsys):
@@ -155,7 +156,7 @@ def test_bench_memory_per_device(capsys):
     full = out["results"]["full"]["per_device"]
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 2  # replicated; everything else splits 8 ways
     weights = (tree_bytes(abstract_params(cfg, jnp.bfloat16)) - norms) // 8 + norms
-    per_seq = (full_cache_bytes(cfg, 1, 4096, 2) - 4) // 8 + 4  # the length counter is not split by model
+    per_seq = (full_cache_bytes(cfg, 1, 4096, 2) - 8) // 8 + 8  # length and error_flags are not split by model
     assert full["weights_bytes_per_device"] == weights and full["cache_bytes_per_device_per_seq"] == per_seq
     assert full["max_batch"] == max_batch(80 * 10**9, weights, per_seq) > 8 * 30  # 30 fit one 80 GB device
     kivi = out["results"]["kivi2"]["per_device"]
