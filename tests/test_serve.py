@@ -331,7 +331,7 @@ def test_bench_serve_against_the_running_server(served, capsys, tmp_path):
     assert [(r["clients"], r["ok"], r["requests"]) for r in rows] == [(1, 1, 1), (3, 3, 3)]
     for r in rows:
         assert 0 < r["output_tokens"] <= 4 * r["ok"] and r["ttft_ms_p50"] > 0 and r["requests_per_s"] > 0
-        assert 1 <= r["peak_live_slots"] <= SLOTS
+        assert r["peak_live_slots"] >= 1 and r["peak_live_slots"] <= SLOTS
     assert plot.stat().st_size > 0
 
 
