@@ -25,6 +25,7 @@ from kivi_jax.generate import (
     PREFILL_CHUNK,
     Model,
     Sampling,
+    check_int,
     decode_step,
     prefill,
     raise_cache_errors,
@@ -52,8 +53,7 @@ class Chat:
             raise TypeError(f"Chat needs the Model from kivi_jax.load(...), not {type(model).__name__}")
         if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
             raise ValueError("Chat needs a tokenizer with a chat template; this model has none")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        check_int("max_new_tokens", max_new_tokens, 1)
         self.model, self.params, self.tokenizer = model, model.params, model.tokenizer
         self.spec = parse_cache_spec(cache)
         self.sampling = Sampling(temperature, top_k, top_p)

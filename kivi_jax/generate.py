@@ -123,9 +123,8 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chun
 
 
 def check_chunk(chunk) -> int:
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"prefill_chunk={chunk!r} must be a positive integer (tokens a prefill call takes), or None")
-    return int(chunk)
+    """`prefill_chunk` (tokens a prefill call takes) as a positive int; None is handled by the callers."""
+    return check_int("prefill_chunk", chunk, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",))
