@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kivi_jax import layout, sharding
+from kivi_jax import layout, quant, sharding
 
 BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
 
@@ -208,7 +208,21 @@ def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, bl
 
 
 def unpack_codes(store) -> jax.Array:
-    """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's codes in channel order, in one fused loop.
+    """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's codes in channel order, in one fused loop per
+    plane (3-bit codes: the 2-bit plane plus 4 times the 1-bit plane; quant's module doc)."""
+    out, start, shift = None, 0, 0
+    width = store.codes.shape[-1]
+    head_dim = width * 8 // store.bits
+    for b in quant.PLANES[store.bits]:
+        n = head_dim * b // 8
+        plane = unpack_plane(store.codes[..., start : start + n], b)
+        out = plane if out is None else out + plane * float(2**shift)
+        start, shift = start + n, shift + b
+    return out
+
+
+def unpack_plane(codes: jax.Array, bits: int) -> jax.Array:
+    """float32 codes in channel order from one planar plane of `bits`-bit codes (bits in {1, 2, 4, 8}).
 
     The shifts and masks run on 32-bit words of four packed bytes (SWAR): shifting a word right by `bits * i` and
     masking every byte leaves slab i's codes of those four bytes in place, and the words read back as bytes lay the
@@ -216,7 +230,6 @@ def unpack_codes(store) -> jax.Array:
     shifts (both are slow loops on XLA:CPU; see docs/benchmarks.md). Rows of D/p bytes not a multiple of 4 use
     16-bit or 8-bit words.
     """
-    codes, bits = store.codes, store.bits
     p = 8 // bits
     if p == 1:
         return codes.astype(jnp.float32)
@@ -281,6 +294,37 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
     return acc + jnp.einsum("bhrgd,bhgd->bhrd", sums, scale)
 
 
+def dequantized(store) -> jax.Array:
+    """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's values (a pre-RoPE key block before rotating)."""
+    codes = unpack_codes(store)
+    axis = -2 if store.axis == "channel" else -1
+    scale = jnp.repeat(store.scale.astype(jnp.float32), store.group_size, axis=axis)
+    mn = jnp.repeat(store.mn.astype(jnp.float32), store.group_size, axis=axis)
+    return codes * scale + mn
+
+
+def rotated(keys: jax.Array, pos: jax.Array, inv_freq: jax.Array | None) -> jax.Array:
+    """Stored keys `[batch, kv_heads, tokens, head_dim]` at positions `pos [batch or 1, tokens]` after RoPE (a
+    pre-RoPE store, `inv_freq` given), or as they are (`inv_freq` None: stored after RoPE)."""
+    if inv_freq is None:
+        return keys
+    from kivi_jax.models.llama import apply_rope
+
+    pos = jnp.broadcast_to(jnp.maximum(pos, 0), (keys.shape[0], keys.shape[2]))
+    return jnp.swapaxes(apply_rope(jnp.swapaxes(keys, 1, 2), pos, inv_freq), 1, 2)
+
+
+def sink_tokens(state: Softmax, rows: Rows, k_sink: jax.Array, v_sink: jax.Array, length: jax.Array,
+                window: int | None, inv_freq: jax.Array | None) -> Softmax:
+    """Adds the stored sink tokens `[0, min(S, length))` in full precision: k_sink, v_sink `[batch, kv_heads, S,
+    head_dim]` of one layer (keys rotated here for a pre-RoPE cache)."""
+    pos = jnp.arange(k_sink.shape[2], dtype=jnp.int32)
+    keys = rotated(k_sink.astype(jnp.float32), pos[None, :], inv_freq)
+    valid = stored_mask(pos, 0, length, rows, window)
+    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, keys), valid)
+    return state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_sink.astype(jnp.float32)))
+
+
 def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
     """float32 `[batch, kv_heads, R, head_dim]`: what attention sees for each ring slot's token `held [batch, R]`.
 
@@ -298,34 +342,45 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
 
 
 def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
-                    block: int = BLOCK_TOKENS) -> jax.Array:
+                    block: int = BLOCK_TOKENS, sinks=None, inv_freq=None) -> jax.Array:
     """New tokens over one layer of a KIVI cache (docs/design.md §3, §7), blockwise with an online softmax.
 
-    Four segments: tokens whose key and value are both quantized (walked in blocks, scales folded into q and p);
-    the newest up-to-R stored tokens (ring, or the last flushed key block); the new tokens themselves (full precision,
-    causal). Stores are stacked over layers (or one layer with `layer=None`); rings `[batch, kv_heads, R, head_dim]`
-    of that layer. q `[batch, T, q_heads, head_dim]` at `positions [batch, T]`; k_new, v_new `[batch, T, kv_heads,
-    head_dim]`, the first `num_new [batch]` real. Returns `[batch, T, q_heads, head_dim]` in q's dtype.
+    Four segments: the sink tokens (full precision, with `sinks`); tokens whose key and value are both quantized
+    (walked in blocks, scales folded into q and p, or a pre-RoPE key block dequantized and rotated); the newest
+    up-to-R stored tokens (ring, or the last flushed key block); the new tokens themselves (full precision, causal).
+    Stores are stacked over layers (or one layer with `layer=None`); rings `[batch, kv_heads, R, head_dim]` and
+    `sinks = (k_sink, v_sink)` `[batch, kv_heads, S, head_dim]` of that layer. `inv_freq [head_dim // 2]`: the cache
+    holds keys before RoPE (stores, ring, sinks), rotated here by their positions. q `[batch, T, q_heads, head_dim]`
+    at `positions [batch, T]`; k_new (after RoPE), v_new `[batch, T, kv_heads, head_dim]`, the first `num_new
+    [batch]` real. Returns `[batch, T, q_heads, head_dim]` in q's dtype.
     """
     kv_heads, num_tokens = k_store.codes.shape[-3], k_store.codes.shape[-2]
     residual = k_ring.shape[2]
+    num_sinks = 0 if sinks is None else sinks[0].shape[2]
     rows = group_queries(q, positions, kv_heads)
     main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
     block = block_size(num_tokens, max(k_store.group_size, v_store.group_size), block)  # whole per-channel groups
+    state = Softmax.empty(rows.q)
+    if num_sinks:
+        state = sink_tokens(state, rows, *sinks, length, window, inv_freq)
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)
         vb = v_store.token_slice(start, block, layer)
-        valid = stored_mask(start + jnp.arange(block), first_new, main_end, rows, window)
-        scores = masked(quantized_scores(rows.q, kb), valid)
-        return state.update(scores, lambda p: quantized_values(p, vb))
+        pos = start + jnp.arange(block)
+        valid = stored_mask(pos, jnp.maximum(first_new, num_sinks), main_end, rows, window)
+        if inv_freq is None:
+            scores = quantized_scores(rows.q, kb)
+        else:
+            scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, rotated(dequantized(kb), pos[None, :], inv_freq))
+        return state.update(masked(scores, valid), lambda p: quantized_values(p, vb))
 
-    state = blockwise(Softmax.empty(rows.q), num_tokens, block, main_end, step)
+    state = blockwise(state, num_tokens, block, main_end, step)
 
     held = layout.ring_tokens(length, residual)  # [batch, R]
-    k_win = window_tensor(k_store, layer, k_ring, held, length)
+    k_win = rotated(window_tensor(k_store, layer, k_ring, held, length), held, inv_freq)
     v_win = window_tensor(v_store, layer, v_ring, held, length)
-    valid = ((held >= main_end[:, None]) & (held >= 0))[:, None, :]  # [batch, 1, R]
+    valid = ((held >= main_end[:, None]) & (held >= num_sinks))[:, None, :]  # [batch, 1, R]; never-written slots < 0
     if window is not None:
         valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
     scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, k_win), valid)
@@ -335,12 +390,13 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
 
 
 def decode_kivi_xla(
-    q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS
+    q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS, sinks=None,
+    inv_freq=None,
 ) -> jax.Array:
     """One new token a sequence (at position `length`) over one layer of a KIVI cache: `attend_kivi_xla` with T = 1,
-    the decode kernels' twin. Rings `[batch, kv_heads, R, head_dim]` of that layer."""
+    the decode kernels' twin. Rings and sinks `[batch, kv_heads, R or S, head_dim]` of that layer."""
     return attend_kivi_xla(q, length[:, None], k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
-                           jnp.ones_like(length), window, block)
+                           jnp.ones_like(length), window, block, sinks, inv_freq)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,15 +435,22 @@ def attend_full(impl: str, q, positions, k_cache, v_cache, layer, length, k_new,
 
 
 def attend_kivi(impl: str, q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
-                window):
-    """New tokens over one layer of a KIVI cache with the chosen implementation (kernels: T = 1 only). Rings come
-    stacked like the stores."""
+                window, sinks=None, inv_freq=None):
+    """New tokens over one layer of a KIVI cache with the chosen implementation (kernels: T = 1 only). Rings and
+    sinks come stacked like the stores."""
     if q.shape[1] == 1:
-        return decode_kivi(impl, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
-    if layer is not None:
-        k_ring, v_ring = k_ring[layer], v_ring[layer]
+        return decode_kivi(impl, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks,
+                           inv_freq)
+    k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
     return attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
-                           window)
+                           window, sinks=sinks, inv_freq=inv_freq)
+
+
+def one_layer(layer, k_ring, v_ring, sinks):
+    """Rings and sinks of one layer from their stacks (as they are with `layer=None`)."""
+    if layer is None:
+        return k_ring, v_ring, sinks
+    return k_ring[layer], v_ring[layer], None if sinks is None else (sinks[0][layer], sinks[1][layer])
 
 
 @sharding.per_shard(q="query", k_cache="cache", v_cache="cache", layer="replicated", length="batch", k_new="query",
@@ -416,22 +479,26 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
 
 
 @sharding.per_shard(q="query", k_store="cache", v_store="cache", layer="replicated", k_ring="cache", v_ring="cache",
-                    length="batch", k_new="query", v_new="query")  # under a mesh: per shard over (batch, kv heads)
-def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window):
+                    length="batch", k_new="query", v_new="query", sinks="cache",
+                    inv_freq="replicated")  # under a mesh: per shard over (batch, kv heads)
+def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=None,
+                inv_freq=None):
     """Decode attention over one layer of a KIVI cache with the chosen implementation.
 
-    Rings come stacked like the stores (`[layers, batch, kv_heads, R, head_dim]`, or one layer with `layer=None`).
-    The kernel reads them and the stores in place and masks the sliding window. Configurations it does not serve
-    (`kivi_decode.unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) run the XLA path.
+    Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
+    `layer=None`); `inv_freq` marks a pre-RoPE cache. The kernel reads them and the stores in place and masks the
+    sliding window. Configurations it does not serve (`kivi_decode.unsupported`: the axis ablations, 8-bit codes,
+    other group sizes or head dims) run the XLA path.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
+    beyond = beyond_kivi_reason(sinks, inv_freq)
     if use_pallas(impl):
         from kivi_jax.pallas_kernels import kivi_decode
 
-        reason = kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
-                                         k_ring.shape[-2], k_store.axis, v_store.axis)
+        reason = beyond or kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
+                                                   k_ring.shape[-2], k_store.axis, v_store.axis)
         if reason is None:
             return kivi_decode.decode(
                 q, k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale, v_store.mn, k_ring, v_ring,
@@ -442,10 +509,18 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     if use_native(impl):
         from kivi_jax import native
 
-        reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2])
+        reason = beyond or native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype,
+                                                   k_ring.shape[-2])
         if reason is None:
             return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
         fall_back(impl, reason)
-    if layer is not None:
-        k_ring, v_ring = k_ring[layer], v_ring[layer]
-    return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
+    k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
+    return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=sinks,
+                           inv_freq=inv_freq)
+
+
+def beyond_kivi_reason(sinks, inv_freq) -> str | None:
+    """Why the decode kernels cannot serve a cache with sink tokens or pre-RoPE keys (None when neither is on)."""
+    if sinks is not None or inv_freq is not None:
+        return "the kernel does not read sink tokens or pre-RoPE keys yet"
+    return None

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import sharding
+from kivi_jax import rotation, sharding
 from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.config import LlamaConfig
@@ -228,7 +228,7 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
             for entry in specs:
                 spec, spec_impl = split_impl(entry, impl)
                 cache = random_cache(spec, cfg, batch, max_tokens, context, dtype, spec_impl, mesh=mesh)
-                t = time_decode(params, cache, repeats, warmup, mesh)
+                t = time_decode(rotation.prepare_params(params, cache), cache, repeats, warmup, mesh)
                 del cache
                 row = {**spec_fields(entry), "attention_impl": spec_impl, "context": context, "batch": batch, **t}
                 group.append(row)
@@ -370,6 +370,7 @@ def time_generate(params: Params, spec, batch: int, prompt_len: int, new_tokens:
     """Wall time of prefill + `new_tokens` greedy tokens (compiled once, then `repeats` timed runs) and the
     KIVI paper's throughput: batch * new_tokens / seconds."""
     cfg, dtype = params.config, params.dtype
+    params = rotation.prepare_params(params, parse_cache_spec(spec))
     max_tokens = cache_tokens(prompt_len, new_tokens, [spec])
     tokens = jnp.asarray(synthetic_prompts(cfg, batch, prompt_len))
     lengths = jnp.full((batch,), prompt_len, jnp.int32)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kivi_jax import attention, layout, quant, sharding
+from kivi_jax import attention, layout, quant, rotation, sharding
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 
@@ -142,7 +142,7 @@ class FullCache:
 class Quantized:
     """Codes, scales and mins of some tokens of one store (what `QuantStore.quantize` gives)."""
 
-    codes: jax.Array  # [..., tokens, head_dim // p] uint8
+    codes: jax.Array  # [..., tokens, head_dim * bits / 8] uint8
     scale: jax.Array  # [..., groups along tokens or tokens, head_dim or groups along channels]
     mn: jax.Array
 
@@ -160,7 +160,7 @@ class QuantStore:
     `axis="token"`: groups of G channels per token, quantized one token at a time (scale `[..., tokens, D // G]`).
     """
 
-    codes: jax.Array  # [(layers,) batch, kv_heads, max_tokens, head_dim // p] uint8, planar-packed
+    codes: jax.Array  # [(layers,) batch, kv_heads, max_tokens, head_dim * bits / 8] uint8, planar-packed
     scale: jax.Array  # [(layers,) batch, kv_heads, groups along tokens or tokens, head_dim or groups along channels]
     mn: jax.Array  # like scale
     bits: int = struct.field(pytree_node=False)
@@ -169,13 +169,12 @@ class QuantStore:
 
     @classmethod
     def zeros(cls, lead: tuple, max_tokens: int, head_dim: int, bits: int, group_size: int, axis: str, scale_dtype):
-        p = quant.codes_per_byte(bits)
         if axis == "channel":
             scale_shape = lead + (max_tokens // group_size, head_dim)
         else:
             scale_shape = lead + (max_tokens, head_dim // group_size)
         return cls(
-            codes=jnp.zeros(lead + (max_tokens, head_dim // p), jnp.uint8),
+            codes=jnp.zeros(lead + (max_tokens, quant.packed_width(bits, head_dim)), jnp.uint8),
             scale=jnp.zeros(scale_shape, scale_dtype),
             mn=jnp.zeros(scale_shape, scale_dtype),
             bits=bits,
@@ -279,6 +278,8 @@ class KIVIUpdate:
     k_ring: jax.Array  # [batch, kv_heads, R, head_dim]: the whole ring after the append
     v_ring: jax.Array
     bad: jax.Array  # [batch] bool: a written scale or min overflowed
+    k_sink: jax.Array | None = None  # [batch, kv_heads, min(T, S), head_dim]: the first new tokens, for sink rows
+    v_sink: jax.Array | None = None
 
 
 @struct.dataclass
@@ -286,7 +287,9 @@ class KIVICache:
     """The KIVI cache of docs/design.md §2: quantized keys and values, a full-precision residual ring, one length counter.
 
     Keys `[0, k.quantized_end)` and values `[0, v.quantized_end)` are read from the quantized stores; ring slot `t % R`
-    holds token t's key and value for the newest R tokens.
+    holds token t's key and value for the newest R tokens. With `config.sinks = S`, tokens `[0, S)` are read from
+    the full-precision sinks instead (their codes are written but never read, and never widen a group's range). With
+    `config.pre_rope` every stored key (codes, ring, sinks) is the key before RoPE.
     """
 
     k: QuantStore
@@ -297,6 +300,8 @@ class KIVICache:
     error_flags: jax.Array  # [batch] int32, bits BAD_TOKEN | PAST_CAPACITY | SCALE_OVERFLOW
     config: KIVIConfig = struct.field(pytree_node=False)
     impl: str = struct.field(pytree_node=False, default="auto")
+    k_sink: jax.Array | None = None  # [layers, batch, kv_heads, S, head_dim] compute dtype (None without sinks)
+    v_sink: jax.Array | None = None
 
     @classmethod
     def create(
@@ -306,6 +311,7 @@ class KIVICache:
         lead = (cfg.num_layers, batch, cfg.num_kv_heads)
         sd = quant.SCALE_DTYPES[kivi.scale_dtype]
         d, r = cfg.head_dim, kivi.residual_length
+        sink = (lambda: jnp.zeros(lead + (kivi.sinks, d), dtype)) if kivi.sinks else (lambda: None)
         return cls(
             k=QuantStore.zeros(lead, max_tokens, d, kivi.k_bits, kivi.store_group(kivi.key_axis, d), kivi.key_axis, sd),
             v=QuantStore.zeros(lead, max_tokens, d, kivi.v_bits, kivi.store_group(kivi.value_axis, d), kivi.value_axis,
@@ -316,11 +322,18 @@ class KIVICache:
             error_flags=jnp.zeros((batch,), jnp.int32),
             config=kivi,
             impl=check_impl(impl),
+            k_sink=sink(),
+            v_sink=sink(),
         )
 
     @property
     def max_tokens(self) -> int:
         return self.k.max_tokens
+
+    @property
+    def value_basis(self) -> str:
+        """The basis the params must produce values in (`models.llama.check_value_basis`)."""
+        return "hadamard" if self.config.rotate_values else ""
 
     @property
     def residual(self) -> int:
@@ -347,16 +360,25 @@ class KIVICache:
     def attend(self, layer, q, k, v, positions, rope, num_new, window):
         """New tokens' attention over this layer as it is stored (KIVI's order: the new tokens themselves in full
         precision), and the update that appends them as one-at-a-time appends would."""
-        k = rope(k, positions).astype(self.k_ring.dtype)  # keys are stored after RoPE
+        kivi, dtype = self.config, self.k_ring.dtype
+        k_rot = rope(k, positions).astype(dtype)  # the new tokens attend to each other after RoPE
+        if kivi.rotate_keys:  # q . k unchanged: both in the basis H
+            basis = rotation.key_basis(k.shape[-1], dtype)
+            q, k_rot = (q @ basis.astype(q.dtype)), k_rot @ basis
+        stored = k.astype(dtype) if kivi.pre_rope else k_rot
         v = v.astype(self.v_ring.dtype)
+        sinks = None if self.k_sink is None else (self.k_sink, self.v_sink)
         out = attention.attend_kivi(self.impl, q, positions, self.k, self.v, layer, self.k_ring, self.v_ring,
-                                    self.length, k, v, num_new, window)  # the stacked rings: a kernel reads them in place
-        return out, self.append_update(self.k_ring[layer], self.v_ring[layer], heads_first(k), heads_first(v), num_new)
+                                    self.length, k_rot, v, num_new, window, sinks=sinks,
+                                    inv_freq=rope.inv_freq if kivi.pre_rope else None)  # stacks read in place
+        return out, self.append_update(self.k_ring[layer], self.v_ring[layer], heads_first(stored), heads_first(v),
+                                       num_new)
 
     def append_update(self, k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array,
                       num_new: jax.Array) -> KIVIUpdate:
-        """One layer's writes when new tokens `k, v [batch, kv_heads, T, head_dim]` (`num_new [batch]` real) arrive
-        at `length`: the candidate rows of each store quantized from the ring and the new tokens, and the new ring.
+        """One layer's writes when new tokens `k, v [batch, kv_heads, T, head_dim]` (`num_new [batch]` real; keys as
+        stored, before RoPE for a pre-RoPE cache) arrive at `length`: the candidate rows of each store quantized from
+        the ring and the new tokens, the new ring, and the first new tokens for the sink rows.
 
         Every quantized group is computed from the same values in the same order as one-token appends would, so the
         stores come out bit-identical whatever the chunking (tests/test_chunked.py).
@@ -366,12 +388,14 @@ class KIVICache:
         update, bad = {}, jnp.zeros(length.shape, bool)
         for name, store, ring, new in (("k", self.k, k_ring, k), ("v", self.v, v_ring, v)):
             pos = store.append_positions(length, tokens, r)  # [batch, n]
-            q = store.quantize(tokens_at(pos, ring, new, length))
+            q = store.quantize(without_sinks(store, pos, tokens_at(sink_stand_in(store, pos, self.config.sinks), ring,
+                                                                   new, length), self.config.sinks))
             bad = bad | q.bad(store.group_mask(store.write_mask(pos, length, new_length, r)))
             update[name] = q
         held = layout.ring_tokens(new_length, r)  # [batch, R]: the token each slot holds after the append
+        n = min(self.config.sinks, tokens)  # the new tokens that may land in a sink row
         return KIVIUpdate(update["k"], update["v"], ring_after(k_ring, k, held, length),
-                          ring_after(v_ring, v, held, length), bad)
+                          ring_after(v_ring, v, held, length), bad, *((k[:, :, :n], v[:, :, :n]) if n else ()))
 
     def commit(self, updates: KIVIUpdate, num_new: jax.Array) -> "KIVICache":
         """Writes every layer's update (stacked on a leading layer axis) and advances `length` by `num_new`."""
@@ -386,6 +410,11 @@ class KIVICache:
             stores[name] = store.write_rows(rows, q)
         flags = capacity_flags(length, num_new, self.max_tokens)
         flags = flags | jnp.where(jnp.any(updates.bad, axis=0), SCALE_OVERFLOW, 0).astype(jnp.int32)
+        sinks = {}
+        if self.k_sink is not None:  # rows past S are dropped
+            rows = new_rows(length, num_new, updates.k_sink.shape[3], self.config.sinks)
+            sinks = dict(k_sink=scatter_rows(self.k_sink, rows, updates.k_sink),
+                         v_sink=scatter_rows(self.v_sink, rows, updates.v_sink))
         return self.replace(
             k=stores["k"],
             v=stores["v"],
@@ -393,6 +422,7 @@ class KIVICache:
             v_ring=updates.v_ring.astype(self.v_ring.dtype),
             length=new_length,
             error_flags=self.error_flags | flags,
+            **sinks,
         )
 
     def grown(self, max_tokens: int) -> "KIVICache":
@@ -409,6 +439,25 @@ def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array
     both = jnp.concatenate([ring, new.astype(ring.dtype)], axis=2)  # [batch, kv_heads, R + T, head_dim]
     idx = jnp.where(pos >= length[:, None], r + jnp.clip(pos - length[:, None], 0, tokens - 1), jnp.mod(pos, r))
     return jnp.take_along_axis(both, idx[:, None, :, None], axis=2)
+
+
+def sink_stand_in(store: QuantStore, pos: jax.Array, sinks: int) -> jax.Array:
+    """Positions `[batch, n]` to quantize in place of `pos`: a sink token of a per-channel store (read from the sinks,
+    never from its codes) stands in as the first non-sink token of its G-token group, or the group's last token
+    when the whole group is sinks, so it never widens the group's range; the group is complete when it is
+    quantized, so that token is in the ring or among the new ones."""
+    if not sinks or store.axis != "channel":
+        return pos
+    g = store.group_size
+    return jnp.where(pos < sinks, jnp.minimum(sinks, (pos // g) * g + g - 1), pos)
+
+
+def without_sinks(store: QuantStore, pos: jax.Array, x: jax.Array, sinks: int) -> jax.Array:
+    """`x [batch, kv_heads, n, head_dim]` with a per-token store's sink tokens zeroed (their own group: codes never
+    read, and a huge sink value cannot overflow a scale)."""
+    if not sinks or store.axis != "token":
+        return x
+    return jnp.where((pos < sinks)[:, None, :, None], 0, x).astype(x.dtype)
 
 
 def ring_after(ring: jax.Array, new: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
@@ -434,6 +483,7 @@ def kivi_cache_bytes(
         "codes": lbh * max_tokens * d * (kivi.k_bits + kivi.v_bits) // 8,
         "scales": 2 * lbh * groups * scale_bytes,  # (scale, min) for keys and values
         "ring": 2 * lbh * r * d * compute_bytes,
+        "sinks": 2 * lbh * kivi.sinks * d * compute_bytes,
         "bookkeeping": batch * (4 + 4),  # length and error_flags, int32
     }
     parts["total"] = sum(parts.values())

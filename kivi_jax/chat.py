@@ -17,7 +17,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from kivi_jax import layout
+from kivi_jax import layout, rotation
 from kivi_jax.cache import CacheCapacityError, full_cache_bytes, make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.generate import (
@@ -56,6 +56,7 @@ class Chat:
         check_int("max_new_tokens", max_new_tokens, 1)
         self.model, self.params, self.tokenizer = model, model.params, model.tokenizer
         self.spec = parse_cache_spec(cache)
+        self.params = rotation.prepare_params(self.params, self.spec)
         self.sampling = Sampling(temperature, top_k, top_p)
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.impl, self.prefill_chunk = attention_impl, prefill_chunk

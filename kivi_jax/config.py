@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from kivi_jax.quant import SCALE_DTYPES, SUPPORTED_BITS
+from kivi_jax.quant import SCALE_DTYPES, SUPPORTED_BITS, pack_multiple
 
 AXES = ("channel", "token")
 
@@ -17,6 +17,11 @@ class KIVIConfig:
     `group_size` (G) consecutive tokens (per-channel) or channels (per-token) share a scale and min; the newest tokens
     stay in full precision in a residual of `residual_length` (R, a multiple of G). `key_axis` / `value_axis` flip the
     axes for the ablation study only. Scales and mins are stored in `scale_dtype`.
+
+    Beyond KIVI (docs/quality.md; all off by default): `pre_rope` quantizes keys before RoPE and rotates them after
+    dequantization; `sinks` keeps the first S tokens' keys and values in full precision; `rotate_values` quantizes
+    values in a per-head orthogonal basis folded into the value and output projections (`kivi_jax.rotation`);
+    `rotate_keys` rotates queries and keys by the same basis every step (measured, see docs/quality.md).
     """
 
     k_bits: int = 2
@@ -26,6 +31,10 @@ class KIVIConfig:
     key_axis: str = "channel"
     value_axis: str = "token"
     scale_dtype: str = "float16"
+    pre_rope: bool = False
+    sinks: int = 0
+    rotate_values: bool = False
+    rotate_keys: bool = False
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -44,6 +53,13 @@ class KIVIConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {AXES}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {tuple(SCALE_DTYPES)}")
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+            raise ValueError(f"sinks={self.sinks!r} must be a whole number of tokens >= 0 (e.g. 4)")
+        for name in ("pre_rope", "rotate_values", "rotate_keys"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.rotate_keys and self.pre_rope:
+            raise ValueError("rotate_keys rotates keys after RoPE; it cannot be combined with pre_rope (drop one)")
 
     def check_shapes(self, head_dim: int, max_tokens: int) -> None:
         """Raises a clear error unless a cache of `max_tokens` tokens with this `head_dim` can be built."""
@@ -56,8 +72,9 @@ class KIVIConfig:
                 f"{divisors or [d for d in range(1, head_dim + 1) if head_dim % d == 0]})"
             )
         for bits in (self.k_bits, self.v_bits):
-            if head_dim % (8 // bits):
-                raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // bits} to pack {bits}-bit codes")
+            if head_dim % pack_multiple(bits):
+                raise ValueError(f"head_dim={head_dim} must be a multiple of {pack_multiple(bits)} to pack {bits}-bit "
+                                 "codes")
         if max_tokens <= 0 or max_tokens % r:
             up = -(-max(max_tokens, 1) // r) * r
             raise ValueError(
@@ -83,7 +100,34 @@ class KIVIConfig:
             s += "-vchan"
         if self.scale_dtype != "float16":
             s += {"float32": "-sf32", "bfloat16": "-sbf16"}[self.scale_dtype]
+        if self.pre_rope:
+            s += "-prerope"
+        if self.sinks:
+            s += f"-s{self.sinks}"
+        if self.rotate_values:
+            s += "-rotv"
+        if self.rotate_keys:
+            s += "-rotk"
         return s
+
+    @property
+    def bits_per_value(self) -> float:
+        """Bits a cached key or value costs in the quantized part (codes, scales and mins; not the ring or sinks),
+        averaged over keys and values, for a head of `group_size` channels or more (see `bits_per_value`)."""
+        return bits_per_value(self, None)
+
+
+def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = None) -> float:
+    """Bits a cached value costs, keys and values averaged: codes plus (scale, min) per group in the scale dtype, and
+    with `tokens` the sink tokens' full-precision (float16) keys and values spread over them. The ring is not
+    counted (it is the same R tokens for every configuration). `head_dim` None: per-token groups of G channels."""
+    scale_bits = 2 * 8 * {"float16": 2, "bfloat16": 2, "float32": 4}[kivi.scale_dtype]  # a scale and a min
+    total = 0.0
+    for bits, axis in ((kivi.k_bits, kivi.key_axis), (kivi.v_bits, kivi.value_axis)):
+        group = kivi.group_size if head_dim is None else kivi.store_group(axis, head_dim)
+        total += bits + scale_bits / group
+    sinks = 16 * min(kivi.sinks, tokens) / tokens if tokens else 0.0  # a float16 key and value, beside their codes
+    return total / 2 + sinks
 
 
 ALIASES = {
@@ -93,14 +137,18 @@ ALIASES = {
 
 SPEC_HELP = (
     "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
-    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16] with bits in {2,4,8}, group size G (default 32: "
-    "tokens per group for per-channel stores, channels, at most head_dim, for per-token ones) and residual length R "
-    "(default 128, a multiple of G), e.g. k4v2-g64-r128; "
+    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk] with bits in "
+    "{2,3,4,8}, group size G (default 32: tokens per group for per-channel stores, channels, at most head_dim, for "
+    "per-token ones) and residual length R (default 128, a multiple of G), e.g. k4v2-g64-r128; "
     "-ktok quantizes keys per-token and -vchan values per-channel (the axis ablation); -sf32/-sbf16 store scales "
-    "and mins in float32/bfloat16 instead of float16"
+    "and mins in float32/bfloat16 instead of float16; -prerope quantizes keys before RoPE; -s<S> keeps the first S "
+    "tokens in full precision; -rotv quantizes values in a rotated basis; -rotk rotates queries and keys"
 )
 
-_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:g\d+|r\d+|ktok|vchan|sf32|sbf16))*)$")
+_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:g\d+|r\d+|ktok|vchan|sf32|sbf16|s\d+|prerope|rotv|rotk))*)$")
+FLAGS = {"ktok": ("key_axis", "token"), "vchan": ("value_axis", "channel"), "sf32": ("scale_dtype", "float32"),
+         "sbf16": ("scale_dtype", "bfloat16"), "prerope": ("pre_rope", True), "rotv": ("rotate_values", True),
+         "rotk": ("rotate_keys", True)}
 
 
 def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
@@ -120,17 +168,10 @@ def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
     opts = [o for o in m.group(3).split("-") if o]
     kw: dict = {"k_bits": int(m.group(1)), "v_bits": int(m.group(2))}
     for o in opts:
-        key = {"g": "group_size", "r": "residual_length"}.get(o[0]) if o[0] in "gr" else None
-        if key:
-            if key in kw:
-                raise ValueError(f"bad cache spec {spec!r}: {key} given twice")
-            kw[key] = int(o[1:])
-        elif o == "ktok":
-            kw["key_axis"] = "token"
-        elif o == "vchan":
-            kw["value_axis"] = "channel"
-        else:
-            kw["scale_dtype"] = {"sf32": "float32", "sbf16": "bfloat16"}[o]
+        key, value = FLAGS.get(o) or ({"g": "group_size", "r": "residual_length", "s": "sinks"}[o[0]], int(o[1:]))
+        if key in kw:
+            raise ValueError(f"bad cache spec {spec!r}: {key} given twice")
+        kw[key] = value
     try:
         return KIVIConfig(**kw)
     except ValueError as e:

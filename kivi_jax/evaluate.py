@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import quant, sharding
+from kivi_jax import quant, rotation, sharding
 from kivi_jax.cache import make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
@@ -133,6 +133,7 @@ def teacher_forced(
     sharded, the windows split over the data axis.
     """
     spec = parse_cache_spec(spec)
+    params = rotation.prepare_params(params, spec)
     mesh = sharding.resolve_mesh(mesh)
     windows = np.asarray(windows, np.int32)
     n_win, size = windows.shape

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import layout, sharding
+from kivi_jax import layout, rotation, sharding
 from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
                             make_cache)
 from kivi_jax.config import KIVIConfig, parse_cache_spec
@@ -335,6 +335,7 @@ def start(
     check_impl(attention_impl)
     sampling = Sampling(temperature, top_k, top_p)
     spec = parse_cache_spec(cache)
+    params = rotation.prepare_params(params, spec)
     prompts, single = encode_prompts(prompt, tokenizer, chat)
     for i, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= t < cfg.vocab_size]

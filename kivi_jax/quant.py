@@ -10,7 +10,9 @@ Per-channel (KIVI's keys): groups run along the token axis, one (scale, min) per
 Per-token (KIVI's values): groups run along the channel axis, one (scale, min) per token per `group_size` channels.
 
 Packing is planar along the last axis: with `p = 8 // bits` codes a byte, byte `j` of a row of `D` codes holds
-codes `j, j + D/p, j + 2D/p, ...`, code `i` of the byte in bits `[bits*i, bits*(i+1))`.
+codes `j, j + D/p, j + 2D/p, ...`, code `i` of the byte in bits `[bits*i, bits*(i+1))`. 3-bit codes are two planes
+side by side in one row of `3D/8` bytes: the low two bits of every code packed as 2-bit codes (`D/4` bytes), then the
+high bit packed as 1-bit codes (`D/8` bytes), so a kernel unpacks them with the same shifts and masks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
+PLANES = {2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}  # bits of each packed plane, low bits first
 SCALE_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
@@ -28,8 +31,14 @@ def check_bits(bits: int) -> int:
     return bits
 
 
-def codes_per_byte(bits: int) -> int:
-    return 8 // check_bits(bits)
+def packed_width(bits: int, head_dim: int) -> int:
+    """Bytes a row of `head_dim` codes packs into (`head_dim * bits / 8`)."""
+    return sum(head_dim // (8 // b) for b in PLANES[check_bits(bits)])
+
+
+def pack_multiple(bits: int) -> int:
+    """The row length must be a multiple of this to pack `bits`-bit codes (codes a byte of the narrowest plane)."""
+    return max(8 // b for b in PLANES[check_bits(bits)])
 
 
 def quantize(x: jax.Array, bits: int, group_size: int, axis: int, scale_dtype=jnp.float16):
@@ -65,8 +74,20 @@ def dequantize(codes: jax.Array, scale: jax.Array, mn: jax.Array, group_size: in
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
-    """Packs uint8 codes `[..., D]` (each < 2**bits) into `[..., D // p]` bytes, planar (see module doc)."""
-    p = codes_per_byte(bits)
+    """Packs uint8 codes `[..., D]` (each < 2**bits) into `[..., packed_width(bits, D)]` bytes, planar (module doc)."""
+    d = codes.shape[-1]
+    if d % pack_multiple(bits):
+        raise ValueError(f"the last axis ({d}) must be a multiple of {pack_multiple(bits)} to pack {bits}-bit codes")
+    planes, shift = [], 0
+    for b in PLANES[bits]:
+        planes.append(pack_plane((codes >> shift) & (2**b - 1), b))
+        shift += b
+    return planes[0] if len(planes) == 1 else jnp.concatenate(planes, axis=-1)
+
+
+def pack_plane(codes: jax.Array, bits: int) -> jax.Array:
+    """One plane: codes `[..., D]` (each < 2**bits, bits in {1, 2, 4, 8}) -> `[..., D * bits / 8]` planar bytes."""
+    p = 8 // bits
     d = codes.shape[-1]
     if d % p:
         raise ValueError(f"the last axis ({d}) must be a multiple of {p} to pack {bits}-bit codes")
@@ -78,21 +99,34 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack(packed: jax.Array, bits: int) -> jax.Array:
-    """The inverse of `pack`: `[..., D // p]` bytes -> uint8 codes `[..., D]`."""
-    p = codes_per_byte(bits)
+    """The inverse of `pack`: `[..., packed_width(bits, D)]` bytes -> uint8 codes `[..., D]`."""
+    planes = PLANES[check_bits(bits)]
+    d = packed.shape[-1] * 8 // bits
+    codes, start, shift = None, 0, 0
+    for b in planes:
+        width = d * b // 8
+        plane = unpack_plane(packed[..., start : start + width], b) << shift
+        codes = plane if codes is None else codes | plane
+        start, shift = start + width, shift + b
+    return codes
+
+
+def unpack_plane(packed: jax.Array, bits: int) -> jax.Array:
+    """The inverse of `pack_plane`."""
+    p = 8 // bits
     mask = jnp.uint8(2**bits - 1)
     slabs = [(packed >> (bits * i)) & mask for i in range(p)]
     return jnp.concatenate(slabs, axis=-1)
 
 
 def quantize_per_channel(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16):
-    """`x [..., tokens, D]` -> packed codes `[..., tokens, D // p]`, scale and min `[..., tokens // G, D]`."""
+    """`x [..., tokens, D]` -> packed codes `[..., tokens, D * bits / 8]`, scale and min `[..., tokens // G, D]`."""
     codes, scale, mn = quantize(x, bits, group_size, axis=-2, scale_dtype=scale_dtype)
     return pack(codes, bits), scale, mn
 
 
 def quantize_per_token(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16):
-    """`x [..., tokens, D]` -> packed codes `[..., tokens, D // p]`, scale and min `[..., tokens, D // G]`."""
+    """`x [..., tokens, D]` -> packed codes `[..., tokens, D * bits / 8]`, scale and min `[..., tokens, D // G]`."""
     codes, scale, mn = quantize(x, bits, group_size, axis=-1, scale_dtype=scale_dtype)
     return pack(codes, bits), scale, mn
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 
 import jax
@@ -39,6 +39,7 @@ class Params:
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
     config: LlamaConfig = struct.field(pytree_node=False)
+    value_basis: str = struct.field(pytree_node=False, default="")  # "hadamard": wv/wo rotated (kivi_jax.rotation)
 
     @property
     def dtype(self):
@@ -163,6 +164,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + rotated * sin
 
 
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """The rotary function a layer hands its cache: `rope(x, positions)`; `inv_freq [head_dim // 2]` for a cache that
+    rotates stored keys itself (a pre-RoPE store)."""
+
+    inv_freq: jax.Array
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return apply_rope(x, positions, self.inv_freq)
+
+
 class NoCache:
     """Stands in for a cache when scoring a whole sequence at once: attention over the given tokens only (also the
     base of test and diagnostic stand-ins that override `attend`)."""
@@ -221,6 +233,18 @@ def check_inputs(tokens: jax.Array, num_new: jax.Array, logits_at, cache: KVCach
     return bad
 
 
+def check_value_basis(params: Params, cache) -> None:
+    """A cache that quantizes values in a rotated basis needs params whose projections carry it, and a cache that
+    does not needs params that do not (else the stored values silently differ); the full cache takes either."""
+    wanted = getattr(cache, "value_basis", None)
+    if wanted is not None and wanted != params.value_basis:
+        basis = lambda name: f"the {name} basis" if name else "the model's own basis"
+        raise ValueError(
+            f"the cache quantizes values in {basis(wanted)} but the params produce values in "
+            f"{basis(params.value_basis)}; prepare them for this cache with "
+            "kivi_jax.rotation.prepare_params(params, spec) from the unrotated params")
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -242,12 +266,12 @@ def forward(
     given = cache
     if cache is None:
         cache = NoCache(batch, n_tok)
+    check_value_basis(params, cache)
     num_new = jnp.full((batch,), n_tok, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
     bad_tokens = check_inputs(tokens, num_new, logits_at, cache, cfg.vocab_size)
     num_new = jnp.clip(num_new, 0, n_tok)
     positions = cache.length[:, None] + jnp.arange(n_tok, dtype=jnp.int32)[None, :]  # [batch, T]
-    inv_freq = rope_inv_freq(cfg)
-    rope = functools.partial(apply_rope, inv_freq=inv_freq)
+    rope = Rotary(rope_inv_freq(cfg))
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def layer_step(x, xs):

@@ -10,21 +10,40 @@ def one_layer(store, layer: int):
     return store.replace(codes=store.codes[layer], scale=store.scale[layer], mn=store.mn[layer])
 
 
-def seen_tensor(store, ring, length, residual):
+def seen_tensor(store, ring, length, residual, sink=None, inv_freq=None):
     """float32 `[batch, kv_heads, max_tokens, head_dim]`: the dequantized store below its quantized end, the ring's
-    entry (slot t % R) above it; what decode attention must read for each token."""
+    entry (slot t % R) above it, the sinks' entry below S (`sink [batch, kv_heads, S, head_dim]`); what attention must
+    read for each token. With `inv_freq` (a pre-RoPE store) the result is rotated by each token's position after."""
     t = jnp.arange(store.codes.shape[2])
     deq = store.dequantize()
     from_ring = ring.astype(jnp.float32)[:, :, t % residual]
     end = store.quantized_end(length, residual)
-    return jnp.where((t[None, :] < end[:, None])[:, None, :, None], deq, from_ring)
+    seen = jnp.where((t[None, :] < end[:, None])[:, None, :, None], deq, from_ring)
+    if sink is not None:
+        s = sink.shape[2]
+        seen = jnp.where((t < s)[None, None, :, None], sink.astype(jnp.float32)[:, :, jnp.minimum(t, s - 1)], seen)
+    if inv_freq is not None:
+        from kivi_jax.models.llama import apply_rope
+
+        pos = jnp.broadcast_to(t[None, :], (seen.shape[0], t.shape[0]))
+        seen = jnp.swapaxes(apply_rope(jnp.swapaxes(seen, 1, 2), pos, inv_freq), 1, 2)
+    return seen
 
 
-def dense_kivi_decode(q, cache, layer: int, k_new, v_new, window=None):
-    """Decode attention over one layer of a KIVI cache, dequantizing everything (materialized; tests only)."""
+def seen_keys_values(cache, layer: int, inv_freq=None):
+    """What attention reads for each token of one layer of a KIVI cache: keys (rotated when the cache is pre-RoPE;
+    give `inv_freq`) and values, float32 `[batch, kv_heads, max_tokens, head_dim]` each."""
     r = cache.config.residual_length
-    k = seen_tensor(one_layer(cache.k, layer), cache.k_ring[layer], cache.length, r)
-    v = seen_tensor(one_layer(cache.v, layer), cache.v_ring[layer], cache.length, r)
+    sink = lambda x: None if x is None else x[layer]
+    pre = inv_freq if cache.config.pre_rope else None
+    k = seen_tensor(one_layer(cache.k, layer), cache.k_ring[layer], cache.length, r, sink(cache.k_sink), pre)
+    v = seen_tensor(one_layer(cache.v, layer), cache.v_ring[layer], cache.length, r, sink(cache.v_sink))
+    return k, v
+
+
+def dense_kivi_decode(q, cache, layer: int, k_new, v_new, window=None, inv_freq=None):
+    """Decode attention over one layer of a KIVI cache, dequantizing everything (materialized; tests only)."""
+    k, v = seen_keys_values(cache, layer, inv_freq)
     return dense_decode(q, k, v, cache.length, k_new, v_new, window)
 
 

@@ -59,7 +59,7 @@ CLI_CASES = [
     ("group-size-zero", GEN + ["--group-size", "0"], ["--group-size", "out of range", "integer >= 1"]),
     ("residual-not-multiple", GEN + ["--residual-length", "48"],
      ["residual_length=48 must be a positive multiple of group_size=32"]),
-    ("bad-spec", GEN + ["--cache", "k3v2"], ["bad cache spec 'k3v2'", "k_bits=3 is not supported; choose one of (2, 4, 8)"]),
+    ("bad-spec", GEN + ["--cache", "k5v2"], ["bad cache spec 'k5v2'", "k_bits=5 is not supported; choose one of (2, 3, 4, 8)"]),
     ("prompt-not-utf8", ["generate", "--model", MODEL, "--prompt", NOT_UTF8],
      ["--prompt", "not valid UTF-8", "0xff", "UTF-8 text"]),
     ("past-positions", GEN + ["--max-new-tokens", "600"], ["exceed the model's 512 positions", "lower max_new_tokens"]),

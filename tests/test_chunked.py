@@ -13,7 +13,7 @@ from kivi_jax.checkpoint import load_hf
 from kivi_jax.config import KIVIConfig
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import forward
-from reference import one_layer, seen_tensor
+from reference import seen_keys_values
 from test_kivi_cache import CFG, append_tokens, leaves_equal, random_kv
 
 TOL = 1e-4
@@ -110,12 +110,11 @@ def test_kivi_stores_are_bit_identical_to_one_token_appends_in_any_chunking(kivi
         leaves_equal(cache, one_by_one)
 
 
-def dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window=None):
-    """A chunk's attention, the obvious way: dequantize what is stored (the ring above the quantized ends), put the
-    chunk's own keys and values after it in full precision, causal softmax per query. q `[batch, T, q_heads, D]`."""
-    r = cache.config.residual_length
-    k = seen_tensor(one_layer(cache.k, layer), cache.k_ring[layer], cache.length, r)  # [batch, kv_heads, max, D]
-    v = seen_tensor(one_layer(cache.v, layer), cache.v_ring[layer], cache.length, r)
+def dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window=None, inv_freq=None):
+    """A chunk's attention, the obvious way: dequantize what is stored (the ring above the quantized ends, the sinks
+    below S; rotated after for a pre-RoPE cache), put the chunk's own keys (after RoPE) and values after it in full
+    precision, causal softmax per query. q `[batch, T, q_heads, D]`."""
+    k, v = seen_keys_values(cache, layer, inv_freq)  # [batch, kv_heads, max, D]
     batch, tokens, q_heads, d = q.shape
     stored = k.shape[2]
     k = jnp.concatenate([k, jnp.moveaxis(k_new, 1, 2).astype(jnp.float32)], axis=2)

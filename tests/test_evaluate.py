@@ -110,7 +110,7 @@ def test_specs_parse(spec, expected):
 @pytest.mark.parametrize("spec, message", [
     ("kivi3", "bad cache spec 'kivi3'; cache specs: 'full'"),
     ("k2v2-g32-x", "bad cache spec 'k2v2-g32-x'"),
-    ("k3v2", "bad cache spec 'k3v2': k_bits=3 is not supported; choose one of \\(2, 4, 8\\)"),
+    ("k5v2", "bad cache spec 'k5v2': k_bits=5 is not supported; choose one of \\(2, 3, 4, 8\\)"),
     ("k2v1", "v_bits=1 is not supported"),
     ("k2v2-g32-r48", "residual_length=48 must be a positive multiple of group_size=32"),
     ("k2v2-g32-g64", "group_size given twice"),

@@ -93,7 +93,7 @@ def test_bad_input_is_answered_clearly(tiny_models):
     with pytest.raises(ValueError, match="outside"):
         kivi_jax.generate(model, [5, TINY_VOCAB + 7], max_new_tokens=4)
     with pytest.raises(ValueError, match="bad cache spec"):
-        kivi_jax.generate(model, "hi", cache="k3v2")
+        kivi_jax.generate(model, "hi", cache="k5v2")
 
 
 def test_kivi_generation_warns_when_float16_scales_overflow(tiny_models):

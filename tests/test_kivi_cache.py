@@ -202,7 +202,7 @@ def test_float16_overflow_is_flagged_and_float32_scales_avoid_it():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(k_bits=3), "k_bits=3 is not supported"),
+        (dict(k_bits=5), "k_bits=5 is not supported"),
         (dict(v_bits=1), "v_bits=1 is not supported"),
         (dict(group_size=32, residual_length=48), "residual_length=48 must be a positive multiple of group_size=32"),
         (dict(residual_length=0), "must be a positive multiple"),

@@ -61,6 +61,15 @@ def test_unpack_inverts_pack(bits, data):
     np.testing.assert_array_equal(np.asarray(quant.unpack(packed, bits)), codes)
 
 
+def test_three_bit_packing_is_a_two_bit_plane_then_a_one_bit_plane():
+    codes = jnp.arange(8, dtype=jnp.uint8).reshape(1, 8)  # channels 0..7 with codes 0..7
+    packed = np.asarray(quant.pack(codes, 3))  # 2 bytes of low bits (2-bit planar), 1 byte of high bits (1-bit)
+    low, high = np.arange(8) % 4, np.arange(8) // 4
+    assert packed.tolist() == [[low[0] | low[2] << 2 | low[4] << 4 | low[6] << 6,
+                                low[1] | low[3] << 2 | low[5] << 4 | low[7] << 6,
+                                sum(int(high[i]) << i for i in range(8))]]
+
+
 def test_packing_is_planar():
     codes = jnp.arange(8, dtype=jnp.uint8).reshape(1, 8) % 4  # channels 0..7 with codes 0,1,2,3,0,1,2,3
     packed = np.asarray(quant.pack(codes, 2))  # 2 bytes; byte j holds channels j, j+2, j+4, j+6
@@ -114,7 +123,9 @@ def test_per_channel_and_per_token_shapes():
     assert codes.shape == (2, 3, 64, 8) and scale.shape == mn.shape == (2, 3, 4, 32)
     codes, scale, mn = quant.quantize_per_token(x, 4, 16)
     assert codes.shape == (2, 3, 64, 16) and scale.shape == mn.shape == (2, 3, 64, 2)
-    with pytest.raises(ValueError, match="3 bits are not supported"):
-        quant.quantize_per_token(x, 3, 16)
+    codes, scale, mn = quant.quantize_per_channel(x, 3, 16)  # a 2-bit plane (8 bytes) then a 1-bit plane (4 bytes)
+    assert codes.shape == (2, 3, 64, 12) and scale.shape == mn.shape == (2, 3, 4, 32)
+    with pytest.raises(ValueError, match="5 bits are not supported"):
+        quant.quantize_per_token(x, 5, 16)
     with pytest.raises(ValueError, match="not a multiple of group_size=24"):
         quant.quantize_per_token(x, 2, 24)

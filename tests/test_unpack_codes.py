@@ -8,10 +8,10 @@ from kivi_jax import attention, quant
 from kivi_jax.cache import QuantStore
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("head_dim", [16, 20, 24, 64, 128])  # rows of D/p bytes: multiples of 4, 2 or 1
+@pytest.mark.parametrize("bits", quant.SUPPORTED_BITS)
+@pytest.mark.parametrize("head_dim", [16, 20, 24, 40, 64, 128])  # rows of D/p bytes: multiples of 4, 2 or 1
 def test_unpack_codes_equals_quant_unpack(bits, head_dim):
-    if head_dim % (8 // bits):
+    if head_dim % quant.pack_multiple(bits):
         pytest.skip("not packable")
     rng = np.random.RandomState(bits * head_dim)
     codes = jnp.asarray(rng.randint(0, 2**bits, (2, 3, 40, head_dim)).astype(np.uint8))

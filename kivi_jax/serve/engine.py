@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import rotation
 from kivi_jax.cache import make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.generate import PREFILL_CHUNK, prefill
@@ -163,6 +164,7 @@ class Engine:
         self.spec = parse_cache_spec(cache)
         if self.spec != "full":
             self.spec.check_shapes(cfg.head_dim, max_length)
+        params = rotation.prepare_params(params, self.spec)
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
