@@ -303,7 +303,7 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     evaluate.check_protocol(args.prefill, args.decode, args.windows)
     args.mesh_obj = mesh_from_args(args)
     model, tokens, text_name = _eval_model_and_text(args)
-    windows = evaluate.make_windows(tokens, args.prefill, args.decode, args.windows)
+    windows = evaluate.make_windows(tokens, args.prefill, args.decode, args.windows, args.split)
     n_specs = len(set(specs) | {"full"})
     bar, progress = _progress_bar(n_specs * args.decode, show=not args.quiet)
     try:
@@ -312,8 +312,9 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     finally:
         bar.close()
     header = {"model": args.model, "text": text_name, "text_tokens": int(len(tokens)),
-              "window_starts": evaluate.window_starts(len(tokens), args.prefill, args.decode, args.windows),
-              "prefill": args.prefill, "decode": args.decode, "windows": args.windows}
+              "window_starts": evaluate.window_starts(len(tokens), args.prefill, args.decode, args.windows, args.split),
+              "split": args.split, "prefill": args.prefill, "decode": args.decode, "windows": args.windows,
+              "head_dim": model.params.config.head_dim}
     return header, results
 
 
@@ -348,27 +349,42 @@ def cmd_eval_ablate(args) -> int:
         from kivi_jax.plots import _pyplot
 
         _pyplot()  # matplotlib missing: say so before the ablation runs, not after
+    peer = None
+    if args.peer:
+        try:
+            with open(args.peer, encoding="utf-8") as f:
+                peer = evaluate.peer_rows(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--peer {args.peer}: not a report of scripts/compare_hf_quantized_cache.py --json "
+                             f"({e})") from None
     header, results = _run_eval(args, specs)
-    rows = evaluate.ablation_rows(results)
-    what = (f"{header['model']}, {header['text']}, {header['windows']} windows, prefill {header['prefill']}, "
-            f"decode {header['decode']}")
+    rows = evaluate.ablation_rows(results, header["head_dim"], args.prefill + args.decode)
+    what = (f"{header['model']}, {header['text']}, {header['windows']} windows ({header['split']} split), prefill "
+            f"{header['prefill']}, decode {header['decode']}")
     table = evaluate.ablation_markdown(rows)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(f"KIVI ablation ({what}): ΔNLL against full precision through the cache.\n\n{table}")
     if args.plot:
-        from kivi_jax.plots import plot_ablation
+        from kivi_jax.plots import plot_ablation, plot_tradeoff
 
         plot_ablation(rows, f"KIVI ablation: {what}", args.plot)
+        plot_tradeoff(rows + (peer or []), f"ΔNLL against bits a value: {what}", tradeoff_path(args.plot))
     if args.json:
-        print(json.dumps({**header, "results": results, "rows": rows}))
+        print(json.dumps({**header, "results": results, "rows": rows, "peer_rows": peer or []}))
     else:
         print(f"ΔNLL against full precision ({what})")
         print(table, end="")
-        wrote = [p for p in (args.out, args.plot) if p]
+        wrote = [p for p in (args.out, args.plot, args.plot and tradeoff_path(args.plot)) if p]
         if wrote:
             print(f"wrote {', '.join(wrote)}", file=sys.stderr)
     return 0
+
+
+def tradeoff_path(plot: str) -> str:
+    """Where `eval ablate` writes the ΔNLL-against-bits plot beside its `--plot` (ablation.png -> ablation_bits.png)."""
+    stem, dot, ext = plot.rpartition(".")
+    return f"{stem}_bits.{ext}" if dot else f"{plot}_bits"
 
 
 def cmd_eval_errors(args) -> int:
@@ -398,6 +414,9 @@ def cmd_eval_errors(args) -> int:
           "the keys (K) or only the values (V) quantized")
     print(evaluate.format_errors(errors))
     print(evaluate.errors_summary_line(summary))
+    print(f"\nbeyond KIVI, one option at a time on KIVI's axes (keys per-channel, values per-token): keys quantized "
+          f"before RoPE, keys or values in the rotated basis, the first {evaluate.SINKS} tokens kept exact")
+    print(evaluate.format_errors(errors, evaluate.BEYOND_COLUMNS))
     return 0
 
 
@@ -414,6 +433,11 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
                    help="tokens then fed one at a time through the cache, each prediction scored (default 256)")
     p.add_argument("--windows", type=integer(1), default=4,
                    help="windows evenly spaced over the text, run as one batch (default 4)")
+    from kivi_jax.evaluate import SPLITS
+
+    p.add_argument("--split", choices=SPLITS, default="eval",
+                   help="'eval' (default): the reported windows; 'dev': as many windows between them, disjoint from "
+                        "them, for choosing a configuration without tuning on the reported windows")
     cli_args.add_impl_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     add_mesh_args(p)
@@ -439,17 +463,24 @@ def add_eval_parser(sub) -> None:
     p.set_defaults(func=cmd_eval_ppl)
 
     a = esub.add_parser(
-        "ablate", help="the KIVI ablation: axes, group size, residual length, mixed bits; markdown table and plot",
+        "ablate", help="the KIVI ablation and beyond: axes, G, R, bits, pre-RoPE, sinks, rotations, presets; table and plots",
         description="Runs the ablation through the cache: the four key/value axis combinations at 2 bits (G32, R128), "
-                    "G in {32, 64, 128}, R in {32, 64, 128, 256}, mixed bits k2v4 and k4v2, plus full and kivi4; "
-                    "writes a markdown table and a PNG plot of ΔNLL against full precision.",
+                    "G in {32, 64, 128}, R in {32, 64, 128, 256}, mixed bits k2v4 and k4v2, plus full and kivi4; then "
+                    "beyond KIVI: pre-RoPE keys, sinks, rotated values and keys, 3-bit codes, each alone on kivi2, "
+                    "then combined up to the presets kivi2+ and kivi3+; writes a markdown table (with bits a value) "
+                    "and PNG plots of ΔNLL against full precision and against bits a value.",
         epilog=SPEC_HELP,
     )
     _add_eval_common(a)
     _add_protocol_args(a)
     a.add_argument("--cache", default=None, help="comma-separated specs to run instead of the ablation's")
     a.add_argument("--out", type=writable_file, default="ablation.md", help="markdown table to write (default ablation.md; '' for none)")
-    a.add_argument("--plot", type=writable_file, default="ablation.png", help="PNG plot to write (default ablation.png; '' for none)")
+    a.add_argument("--plot", type=writable_file, default="ablation.png",
+                   help="PNG plot to write (default ablation.png; '' for none), and beside it ΔNLL against bits a "
+                        "value (ablation_bits.png)")
+    a.add_argument("--peer", default=None,
+                   help="a JSON report of scripts/compare_hf_quantized_cache.py --json (transformers' quanto cache on "
+                        "the same windows), placed on the bits plot")
     a.set_defaults(func=cmd_eval_ablate)
 
     r = esub.add_parser(
@@ -462,7 +493,7 @@ def add_eval_parser(sub) -> None:
     _add_eval_common(r)
     r.add_argument("--tokens", type=integer(1), default=512, help="tokens per window (a multiple of --group-size; default 512)")
     r.add_argument("--windows", type=integer(1), default=2, help="windows evenly spaced over the text (default 2)")
-    r.add_argument("--bits", type=int, choices=(2, 4, 8), default=2, help="bits for keys and values (default 2)")
+    r.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=2, help="bits for keys and values (default 2)")
     r.add_argument("--group-size", type=integer(1), default=32, help="group size G (default 32)")
     r.set_defaults(func=cmd_eval_errors)
 

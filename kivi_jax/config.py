@@ -133,10 +133,15 @@ def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = 
 ALIASES = {
     "kivi2": KIVIConfig(2, 2, 32, 128),
     "kivi4": KIVIConfig(4, 4, 32, 128),
+    # beyond KIVI (docs/quality.md): the best configuration measured on the development split within 3.2 and 4.2 bits
+    # a value (codes, scales, mins and sinks)
+    "kivi2+": KIVIConfig(3, 2, 64, 128, pre_rope=True, sinks=4, rotate_values=True),
+    "kivi3+": KIVIConfig(4, 3, 64, 128, pre_rope=True, sinks=4, rotate_values=True),
 }
 
 SPEC_HELP = (
     "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
+    f"'kivi2+' (= {ALIASES['kivi2+'].spec}) and 'kivi3+' (= {ALIASES['kivi3+'].spec}), beyond KIVI; "
     "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk] with bits in "
     "{2,3,4,8}, group size G (default 32: tokens per group for per-channel stores, channels, at most head_dim, for "
     "per-token ones) and residual length R (default 128, a multiple of G), e.g. k4v2-g64-r128; "

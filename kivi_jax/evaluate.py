@@ -19,9 +19,9 @@ import numpy as np
 
 from kivi_jax import quant, rotation, sharding
 from kivi_jax.cache import make_cache
-from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.config import bits_per_value, parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
-from kivi_jax.models.llama import NoCache, Params, forward
+from kivi_jax.models.llama import NoCache, Params, forward, rope_inv_freq
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Text and windows
@@ -44,23 +44,37 @@ def tokenize(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer(text)["input_ids"], np.int32)
 
 
-def window_starts(n_tokens: int, prefill: int, decode: int, windows: int) -> list[int]:
-    """Starts of `windows` evenly spaced windows of `prefill + decode + 1` tokens: i * (n - P - N - 1) / (W - 1)."""
+SPLITS = ("eval", "dev")
+
+
+def window_starts(n_tokens: int, prefill: int, decode: int, windows: int, split: str = "eval") -> list[int]:
+    """Starts of `windows` evenly spaced windows of `prefill + decode + 1` tokens: i * (n - P - N - 1) / (W - 1).
+
+    `split="dev"`: the development split for choosing configurations, `windows` windows at (i + 1/2) * span / W,
+    each disjoint from every window of the evaluation split (an error if the text is too short for that)."""
     span = n_tokens - prefill - decode - 1
     if span < 0:
         raise ValueError(
             f"the text has {n_tokens} tokens; a window needs prefill + decode + 1 = {prefill + decode + 1}"
         )
-    if windows == 1:
-        return [0]
-    return [i * span // (windows - 1) for i in range(windows)]
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {SPLITS}")
+    evals = [0] if windows == 1 else [i * span // (windows - 1) for i in range(windows)]
+    if split == "eval":
+        return evals
+    devs = [(2 * i + 1) * span // (2 * windows) for i in range(windows)]
+    size = prefill + decode + 1
+    if any(abs(d - e) < size for d in devs for e in evals):
+        raise ValueError(f"the text has {n_tokens} tokens: too few for {windows} development windows of {size} tokens "
+                         "disjoint from the evaluation windows; give a longer --text or fewer --windows")
+    return devs
 
 
-def make_windows(tokens, prefill: int, decode: int, windows: int) -> np.ndarray:
-    """`[windows, prefill + decode + 1]` token windows from a token list."""
+def make_windows(tokens, prefill: int, decode: int, windows: int, split: str = "eval") -> np.ndarray:
+    """`[windows, prefill + decode + 1]` token windows from a token list (of the `split`: see `window_starts`)."""
     tokens = np.asarray(tokens, np.int32)
     size = prefill + decode + 1
-    return np.stack([tokens[s : s + size] for s in window_starts(len(tokens), prefill, decode, windows)])
+    return np.stack([tokens[s : s + size] for s in window_starts(len(tokens), prefill, decode, windows, split)])
 
 
 def check_protocol(prefill: int, decode: int, windows: int) -> None:
@@ -228,6 +242,20 @@ ABLATION = (
     ("bits", "k2v2-g32-r128"),
     ("bits", "k4v2-g32-r128"),
     ("bits", "k2v4-g32-r128"),
+    # beyond KIVI (docs/quality.md): each mechanism alone on kivi2, then added one at a time up to the presets
+    ("beyond: alone", "k2v2-g32-r128"),
+    ("beyond: alone", "k2v2-g32-r128-prerope"),
+    ("beyond: alone", "k2v2-g32-r128-s4"),
+    ("beyond: alone", "k2v2-g32-r128-rotv"),
+    ("beyond: alone", "k2v2-g32-r128-rotk"),
+    ("beyond: alone", "k3v2-g32-r128"),
+    ("beyond: alone", "k2v3-g32-r128"),
+    ("beyond: combined", "k3v2-g64-r128"),
+    ("beyond: combined", "k3v2-g64-r128-prerope"),
+    ("beyond: combined", "k3v2-g64-r128-prerope-s4"),
+    ("beyond: combined", "k3v2-g64-r128-prerope-s4-rotv"),
+    ("presets", "kivi2+"),
+    ("presets", "kivi3+"),
 )
 
 
@@ -236,18 +264,24 @@ def ablation_specs() -> list[str]:
     return list(dict.fromkeys(spec_name(parse_cache_spec(s)) for _, s in ABLATION))
 
 
-def describe(spec: str) -> dict:
-    """Bits, axes, group size and residual length of a spec, for tables."""
+def describe(spec: str, head_dim: int | None = None, tokens: int | None = None) -> dict:
+    """Bits, axes, group size, residual length and the beyond-KIVI options of a spec, for tables; with `head_dim`
+    also the bits a cached value costs (codes, scales and mins, and sinks spread over `tokens`)."""
     cfg = parse_cache_spec(spec)
     if cfg == "full":
-        return {"keys": "full", "values": "full", "G": "", "R": ""}
-    return {"keys": f"{cfg.k_bits}-bit per-{cfg.key_axis}", "values": f"{cfg.v_bits}-bit per-{cfg.value_axis}",
-            "G": cfg.group_size, "R": cfg.residual_length}
+        return {"keys": "full", "values": "full", "G": "", "R": "", "options": "", "bits": 16.0}
+    options = [name for on, name in ((cfg.pre_rope, "pre-RoPE"), (cfg.sinks, f"{cfg.sinks} sinks"),
+                                     (cfg.rotate_values, "rotated values"), (cfg.rotate_keys, "rotated keys")) if on]
+    row = {"keys": f"{cfg.k_bits}-bit per-{cfg.key_axis}", "values": f"{cfg.v_bits}-bit per-{cfg.value_axis}",
+           "G": cfg.group_size, "R": cfg.residual_length, "options": ", ".join(options)}
+    if head_dim is not None:
+        row["bits"] = bits_per_value(cfg, head_dim, tokens)
+    return row
 
 
-def ablation_rows(results: dict) -> list[dict]:
+def ablation_rows(results: dict, head_dim: int | None = None, tokens: int | None = None) -> list[dict]:
     """One row per (study, spec) of ABLATION present in `results`, then any other spec of `results` (study "other");
-    with ΔNLL against full (mean and its range over the windows)."""
+    with ΔNLL against full (mean and its range over the windows) and, given the model's `head_dim`, bits a value."""
     full = results["full"]
     pairs = [(study, spec_name(parse_cache_spec(spec))) for study, spec in ABLATION]
     pairs += [("other", name) for name in results if name not in {n for _, n in pairs}]
@@ -257,7 +291,7 @@ def ablation_rows(results: dict) -> list[dict]:
             continue
         r = results[name]
         deltas = [a - b for a, b in zip(r["nll_per_window"], full["nll_per_window"])]
-        rows.append({"study": study, "spec": name, **describe(name), "nll": r["nll"],
+        rows.append({"study": study, "spec": name, **describe(name, head_dim, tokens), "nll": r["nll"],
                      "delta_nll": r["nll"] - full["nll"], "delta_min": min(deltas), "delta_max": max(deltas),
                      "kl_vs_full": r["kl_vs_full"], "top1_agree": r["top1_agree"]})
     return rows
@@ -265,15 +299,34 @@ def ablation_rows(results: dict) -> list[dict]:
 
 def ablation_markdown(rows: list[dict]) -> str:
     """The ablation as a markdown table."""
-    lines = ["| study | spec | keys | values | G | R | NLL | ΔNLL | ΔNLL by window | KL(full‖q) | top-1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| study | spec | keys | values | G | R | options | bits | NLL | ΔNLL | ΔNLL by window | KL(full‖q) | "
+             "top-1 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        bits = f"{r['bits']:.2f}" if "bits" in r else ""
         lines.append(
-            f"| {r['study']} | `{r['spec']}` | {r['keys']} | {r['values']} | {r['G']} | {r['R']} | {r['nll']:.4f} | "
-            f"{r['delta_nll']:+.4f} | {r['delta_min']:+.3f} … {r['delta_max']:+.3f} | {r['kl_vs_full']:.4f} | "
-            f"{r['top1_agree']:.3f} |"
+            f"| {r['study']} | `{r['spec']}` | {r['keys']} | {r['values']} | {r['G']} | {r['R']} | {r['options']} | "
+            f"{bits} | {r['nll']:.4f} | {r['delta_nll']:+.4f} | {r['delta_min']:+.3f} … {r['delta_max']:+.3f} | "
+            f"{r['kl_vs_full']:.4f} | {r['top1_agree']:.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def peer_rows(report: dict) -> list[dict]:
+    """Rows for a peer's run (scripts/compare_hf_quantized_cache.py --json: transformers' quanto cache) on the same
+    windows: ΔNLL against the peer's own full precision, and bits a value (codes plus a float32 scale and zero point
+    a group, quanto's storage for a float32 model)."""
+    results = report["results"]
+    full = results["full"]
+    rows = []
+    for name, r in results.items():
+        cache = r.get("cache")
+        if not isinstance(cache, dict):
+            continue
+        group = cache.get("q_group_size", 64)
+        rows.append({"study": "peer", "spec": f"quanto {name}", "bits": cache["nbits"] + 2 * 32 / group,
+                     "delta_nll": r["nll"] - full["nll"], "kl_vs_full": r["kl_vs_full"],
+                     "top1_agree": r["top1_agree"]})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -286,8 +339,8 @@ class _Recorder(NoCache):
     recorded = None
 
     def attend(self, layer, q, k, v, positions, rope, num_new, window):
-        k = rope(k, positions)
-        return causal_attention(q, k, v, num_new, window), {"q": q, "k": k, "v": v}
+        k_rot = rope(k, positions)
+        return causal_attention(q, k_rot, v, num_new, window), {"q": q, "k": k_rot, "v": v, "k_pre": k}
 
     def commit(self, updates, num_new):
         self.recorded = updates
@@ -298,7 +351,7 @@ class _Recorder(NoCache):
 def capture_qkv(params: Params, tokens: jax.Array) -> dict:
     """Real activations of a full-precision forward over `tokens [batch, tokens]`: per layer the RoPE'd queries
     `q [layers, batch, tokens, q_heads, head_dim]` and keys `k`, and values `v` `[layers, batch, tokens, kv_heads,
-    head_dim]`, as attention consumes them."""
+    head_dim]`, as attention consumes them, and the keys before RoPE `k_pre`."""
     recorder = _Recorder(*tokens.shape)
     forward(params, tokens, recorder, logits_at=jnp.zeros((tokens.shape[0],), jnp.int32))
     return recorder.recorded
@@ -319,13 +372,20 @@ def _rel(err: jax.Array, ref: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.sum(err * err) / jnp.sum(ref * ref))
 
 
+SINKS = 4  # sink tokens of the error diagnostics' beyond-KIVI columns
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "group_size"))
-def _layer_errors(q, k, v, bits: int, group_size: int) -> dict:
-    """One layer: q `[batch, tokens, q_heads, D]`, k/v `[batch, tokens, kv_heads, D]` -> relative errors (scalars)."""
+def _layer_errors(q, k, v, k_pre, inv_freq, bits: int, group_size: int) -> dict:
+    """One layer: q `[batch, tokens, q_heads, D]`, k/v `[batch, tokens, kv_heads, D]` (k after RoPE, k_pre before)
+    -> relative errors (scalars)."""
+    from kivi_jax import attention, rotation
+
     batch, tokens, q_heads, d = q.shape
     kv_heads = k.shape[2]
     k = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [batch, kv_heads, tokens, D]
     v = jnp.swapaxes(v, 1, 2).astype(jnp.float32)
+    k_pre = jnp.swapaxes(k_pre, 1, 2).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(batch, tokens, kv_heads, q_heads // kv_heads, d) * d**-0.5
     causal = jnp.tril(jnp.ones((tokens, tokens), bool))  # [query, key]
 
@@ -349,6 +409,24 @@ def _layer_errors(q, k, v, bits: int, group_size: int) -> dict:
         vq = fake_quant(v, axis, bits, group_size)
         out[f"v_{axis}_tensor"] = _rel(vq - v, v)
         out[f"v_{axis}_output"] = _rel(output(s_ref, vq) - o_ref, o_ref)
+    # beyond KIVI, on KIVI's axes (keys per-channel, values per-token): one option at a time
+    pos = jnp.arange(tokens)[None, :]
+    kq = attention.rotated(fake_quant(k_pre, "channel", bits, group_size), pos, inv_freq)  # quantized before RoPE
+    s = scores(kq)
+    out["k_prerope_scores"], out["k_prerope_output"] = _rel(s - s_ref, s_ref), _rel(output(s, v) - o_ref, o_ref)
+    h = jnp.asarray(rotation.basis(d), jnp.float32)
+    kq = fake_quant(k @ h, "channel", bits, group_size) @ h.T  # keys in the basis H (rotate q and k)
+    out["k_rotated_output"] = _rel(output(scores(kq), v) - o_ref, o_ref)
+    vq = fake_quant(v @ h, "token", bits, group_size) @ h.T  # values in the basis H (folded into wv, wo)
+    out["v_rotated_output"] = _rel(output(s_ref, vq) - o_ref, o_ref)
+    first = (jnp.arange(tokens) < SINKS)[None, None, :, None]  # sinks exact, standing in as token S in their group
+    stand_in = jnp.where(first, k[:, :, SINKS : SINKS + 1], k)
+    kq = jnp.where(first, k, fake_quant(stand_in, "channel", bits, group_size))
+    vq = jnp.where(first, v, fake_quant(v, "token", bits, group_size))
+    s = scores(kq)
+    out["sinks_output"] = _rel(output(s, vq) - o_ref, o_ref)
+    s = scores(fake_quant(k, "channel", bits, group_size))
+    out["both_output"] = _rel(output(s, fake_quant(v, "token", bits, group_size)) - o_ref, o_ref)
     return out
 
 
@@ -356,12 +434,15 @@ def consumption_errors(params: Params, windows, bits: int = 2, group_size: int =
     """Per layer `[layers]`, over `windows [batch, tokens]` of real text, the relative (Frobenius) error that
     quantizing the whole sequence's keys or values on each axis causes in: the tensor itself (`*_tensor`), the
     attention scores q·k (`k_*_scores`), and the attention output softmax(q·k)·v (`*_output`; keys or values alone
-    quantized). No residual: every token is quantized."""
+    quantized). No residual: every token is quantized. Beyond KIVI, on KIVI's axes: keys quantized before RoPE
+    (`k_prerope_*`), keys or values in the rotated basis (`k_rotated_output`, `v_rotated_output`), keys and values
+    with the first SINKS tokens exact (`sinks_output`) against both quantized plainly (`both_output`)."""
     windows = jnp.asarray(windows, jnp.int32)
     if windows.shape[1] % group_size:
         raise ValueError(f"the windows' {windows.shape[1]} tokens must be a multiple of group_size={group_size}")
     acts = capture_qkv(params, windows)
-    per_layer = [_layer_errors(acts["q"][i], acts["k"][i], acts["v"][i], bits, group_size)
+    inv_freq = rope_inv_freq(params.config)
+    per_layer = [_layer_errors(acts["q"][i], acts["k"][i], acts["v"][i], acts["k_pre"][i], inv_freq, bits, group_size)
                  for i in range(params.config.num_layers)]
     return {name: np.array([float(e[name]) for e in per_layer]) for name in per_layer[0]}
 
@@ -376,6 +457,15 @@ ERROR_COLUMNS = (
 )
 
 
+BEYOND_COLUMNS = (
+    # (column, key): one beyond-KIVI option at a time against KIVI's own (keys per-channel, values per-token)
+    ("K q·k", "k_channel_scores"), ("K pre-RoPE q·k", "k_prerope_scores"),
+    ("K out", "k_channel_output"), ("K pre-RoPE out", "k_prerope_output"), ("K rotated out", "k_rotated_output"),
+    ("V out", "v_token_output"), ("V rotated out", "v_rotated_output"),
+    ("K+V out", "both_output"), ("K+V sinks out", "sinks_output"),
+)
+
+
 def errors_summary(errors: dict[str, np.ndarray]) -> dict:
     """Means over layers and, per tensor, in how many layers each axis wins on reconstruction and on consumption."""
     n = len(errors["k_channel_tensor"])
@@ -387,6 +477,7 @@ def errors_summary(errors: dict[str, np.ndarray]) -> dict:
     summary = {
         "layers": n,
         "mean": mean,
+        "beyond_mean": {key: float(errors[key].mean()) for _, key in BEYOND_COLUMNS},
         "keys_channel_better_tensor": wins("k_channel_tensor", "k_token_tensor"),
         "keys_channel_better_output": wins("k_channel_output", "k_token_output"),
         "values_token_better_tensor": wins("v_token_tensor", "v_channel_tensor"),
@@ -434,11 +525,12 @@ def format_results(results: dict) -> str:
     return "\n".join(lines)
 
 
-def format_errors(errors: dict[str, np.ndarray]) -> str:
-    """The per-layer error table, plus a mean row."""
-    head = f"{'layer':>5} " + " ".join(f"{c:>13}" for c, _ in ERROR_COLUMNS)
+def format_errors(errors: dict[str, np.ndarray], columns=ERROR_COLUMNS) -> str:
+    """The per-layer error table (`columns`: ERROR_COLUMNS, or BEYOND_COLUMNS), plus a mean row."""
+    width = max(13, max(len(c) for c, _ in columns))
+    head = f"{'layer':>5} " + " ".join(f"{c:>{width}}" for c, _ in columns)
     rows = [head]
     for i in range(len(errors["k_channel_tensor"])):
-        rows.append(f"{i:>5} " + " ".join(f"{errors[k][i]:>13.4f}" for _, k in ERROR_COLUMNS))
-    rows.append(f"{'mean':>5} " + " ".join(f"{errors[k].mean():>13.4f}" for _, k in ERROR_COLUMNS))
+        rows.append(f"{i:>5} " + " ".join(f"{errors[k][i]:>{width}.4f}" for _, k in columns))
+    rows.append(f"{'mean':>5} " + " ".join(f"{errors[k].mean():>{width}.4f}" for _, k in columns))
     return "\n".join(rows)

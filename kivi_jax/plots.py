@@ -117,3 +117,37 @@ def plot_ablation(rows: list[dict], title: str, path) -> str:
     ax.set_title(title, fontsize=9)
     ax.axvline(0, color="black", linewidth=0.5)
     return _save(fig, path)
+
+
+KIVI_STUDIES = ("reference", "axes", "group size", "residual", "bits")  # KIVI's own sweep
+
+
+def plot_tradeoff(rows: list[dict], title: str, path) -> str:
+    """ΔNLL against bits a cached value for every configuration with a bit count: KIVI's own sweep (bits, G, R), the
+    beyond-KIVI configurations, the presets, and a peer's (transformers' quanto cache) when given; log ΔNLL."""
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("bits") is not None and r["spec"] != "full"]
+    kinds = {"KIVI (bits, G, R, axes)": lambda r: r["study"] in KIVI_STUDIES,
+             "beyond KIVI": lambda r: r["study"].startswith("beyond") or r["study"] == "other",
+             "presets": lambda r: r["study"] == "presets",
+             "transformers + quanto": lambda r: r["study"] == "peer"}
+    markers = dict(zip(kinds, ("o", "s", "*", "^")))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    seen = set()
+    for kind, member in kinds.items():
+        pts = [r for r in rows if member(r) and r["spec"] not in seen]
+        seen |= {r["spec"] for r in pts}
+        if not pts:
+            continue
+        ax.scatter([r["bits"] for r in pts], [max(r["delta_nll"], 1e-4) for r in pts], marker=markers[kind],
+                   s=90 if kind == "presets" else 30, label=kind, zorder=3)
+        for r in pts:
+            ax.annotate(r["spec"], (r["bits"], max(r["delta_nll"], 1e-4)), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits a cached value (codes + scales + mins + sinks; keys and values averaged)")
+    ax.set_ylabel("ΔNLL vs full precision (nats/token, log; ≤ 1e-4 drawn at 1e-4)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -10,7 +10,7 @@ import pytest
 
 from kivi_jax import cli, evaluate
 from kivi_jax.cache import FullCache
-from kivi_jax.config import KIVIConfig, parse_cache_spec
+from kivi_jax.config import KIVIConfig, parse_cache_spec, spec_name
 from kivi_simulation import simulated_nll
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import forward, init_params
@@ -73,12 +73,16 @@ def test_ablation_rows_hold_every_study_and_other_specs():
     rows = evaluate.ablation_rows(results)
     assert [(r["study"], r["spec"]) for r in rows] == [
         ("reference", "full"), ("axes", "k2v2-g32-r128"), ("group size", "k2v2-g32-r128"),
-        ("residual", "k2v2-g32-r128"), ("bits", "k2v2-g32-r128"), ("other", "k8v8-g32-r128")]
+        ("residual", "k2v2-g32-r128"), ("bits", "k2v2-g32-r128"), ("beyond: alone", "k2v2-g32-r128"),
+        ("other", "k8v8-g32-r128")]
     kivi = rows[1]
     assert kivi["delta_nll"] == pytest.approx(0.2) and (kivi["delta_min"], kivi["delta_max"]) == pytest.approx((0.1, 0.3))
     assert rows[-1]["keys"] == "8-bit per-channel" and rows[-1]["values"] == "8-bit per-token"
     assert "| other | `k8v8-g32-r128` |" in evaluate.ablation_markdown(rows)
-    assert len(evaluate.ablation_specs()) == 13 and evaluate.ablation_specs()[0] == "full"
+    specs = evaluate.ablation_specs()
+    assert specs[0] == "full" and len(specs) == len(set(specs))
+    assert set(specs) == {spec_name(parse_cache_spec(s)) for _, s in evaluate.ABLATION}
+    assert "k2v2-g32-r128-prerope" in specs and parse_cache_spec("kivi2+").spec in specs
 
 
 def test_windows_are_evenly_spaced():
@@ -221,9 +225,28 @@ def test_cli_eval_ablate_writes_table_and_plot(tiny_dirs, text_file, tmp_path, c
     table = md.read_text()
     assert "| axes | `k2v2-g32-r128` | 2-bit per-channel | 2-bit per-token | 32 | 128 |" in table
     assert "| reference | `full` | full | full |  |  |" in table and "+0.0000 |" in table
-    assert table.count("`k2v2-g32-r128`") == 4  # the reference row of every study it belongs to
+    assert table.count("`k2v2-g32-r128`") == 5  # the reference row of every study it belongs to
+    assert "| 3.50 |" in table  # kivi2 at head_dim 16: keys 2 + 32/32 bits, values 2 + 32/16 (groups of a head)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "ablation_bits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ΔNLL" in out
+
+
+def test_the_development_split_is_disjoint_from_the_reported_windows():
+    for n, (p, d, w) in ((112955, (512, 256, 4)), (5000, (64, 32, 3)), (20000, (512, 256, 1))):
+        evals, devs = evaluate.window_starts(n, p, d, w), evaluate.window_starts(n, p, d, w, "dev")
+        assert len(devs) == w and all(0 <= s <= n - p - d - 1 for s in devs)
+        assert all(abs(a - b) >= p + d + 1 for a in evals for b in devs)
+    with pytest.raises(ValueError, match="too few for 4 development windows"):
+        evaluate.window_starts(3000, 512, 256, 4, "dev")
+
+
+def test_peer_rows_take_bits_from_the_peers_configuration():
+    report = {"results": {"full": {"nll": 2.0, "kl_vs_full": 0.0, "top1_agree": 1.0, "cache": "DynamicCache"},
+                          "k2": {"nll": 2.3, "kl_vs_full": 0.3, "top1_agree": 0.7,
+                                 "cache": {"backend": "quanto", "nbits": 2, "q_group_size": 32}}}}
+    (row,) = evaluate.peer_rows(report)
+    assert row["bits"] == 4.0 and row["delta_nll"] == pytest.approx(0.3) and row["study"] == "peer"
 
 
 def test_cli_eval_errors_json(tiny_dirs, text_file, capsys):
@@ -231,6 +254,6 @@ def test_cli_eval_errors_json(tiny_dirs, text_file, capsys):
                              str(text_file), "--tokens", "64", "--windows", "2", "--group-size", "16", "--json")
     assert code == 0, err
     got = json.loads(out)
-    assert set(got["per_layer"]) == {key for _, key in evaluate.ERROR_COLUMNS}
+    assert set(got["per_layer"]) == {key for _, key in evaluate.ERROR_COLUMNS + evaluate.BEYOND_COLUMNS}
     assert all(len(v) == 3 for v in got["per_layer"].values())  # the tiny models have 3 layers
     assert got["summary"]["layers"] == 3
