@@ -13,6 +13,7 @@ the vocabulary, gets a bit in `error_flags [batch]` (sticky), and its logits com
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -302,11 +303,24 @@ class KIVICache:
     impl: str = struct.field(pytree_node=False, default="auto")
     k_sink: jax.Array | None = None  # [layers, batch, kv_heads, S, head_dim] compute dtype (None without sinks)
     v_sink: jax.Array | None = None
+    # Per-layer bits (`config.first_layers = n`): layers [0, n) live in `first`, a KIVI cache of n layers at the first
+    # layers' bits, and this cache's stores hold layers [n, L). `first` keeps its own copy of length and flags; the
+    # top level's are the ones read.
+    first: "KIVICache | None" = None
 
     @classmethod
     def create(
         cls, cfg: LlamaConfig, kivi: KIVIConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"
     ) -> "KIVICache":
+        if kivi.first_layers:
+            n = kivi.first_layers
+            if n >= cfg.num_layers:
+                raise ValueError(f"{kivi.spec} sets the first {n} layers apart, but the model has {cfg.num_layers}; "
+                                 f"choose fewer than {cfg.num_layers} (or plain k{kivi.first_k_bits}v{kivi.first_v_bits})")
+            first = cls.create(dataclasses.replace(cfg, num_layers=n), kivi.first(), batch, max_tokens, dtype, impl)
+            rest = cls.create(dataclasses.replace(cfg, num_layers=cfg.num_layers - n), kivi.rest(), batch, max_tokens,
+                              dtype, impl)
+            return rest.replace(config=kivi, first=first)
         kivi.check_shapes(cfg.head_dim, max_tokens)
         lead = (cfg.num_layers, batch, cfg.num_kv_heads)
         sd = quant.SCALE_DTYPES[kivi.scale_dtype]
@@ -359,7 +373,28 @@ class KIVICache:
 
     def attend(self, layer, q, k, v, positions, rope, num_new, window):
         """New tokens' attention over this layer as it is stored (KIVI's order: the new tokens themselves in full
-        precision), and the update that appends them as one-at-a-time appends would."""
+        precision), and the update that appends them as one-at-a-time appends would. With per-layer bits the layer
+        is answered by the part that holds it (a `lax.cond` on the layer index; the other part's update is zeros)."""
+        if self.first is None:
+            return self.attend_here(layer, q, k, v, positions, rope, num_new, window)
+        n = self.config.first_layers
+        args = (q, k, v, positions, rope, num_new, window)
+        in_first = lambda: self.first.attend_here(jnp.minimum(layer, n - 1), *args)
+        in_rest = lambda: self.attend_here(jnp.maximum(layer - n, 0), *args)
+        zeros = lambda f: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(f)[1])
+
+        def branch_first():
+            out, up = in_first()
+            return out, (up, zeros(in_rest))
+
+        def branch_rest():
+            out, up = in_rest()
+            return out, (zeros(in_first), up)
+
+        return jax.lax.cond(layer < n, branch_first, branch_rest)
+
+    def attend_here(self, layer, q, k, v, positions, rope, num_new, window):
+        """`attend` over this cache's own stores (`layer` indexes them)."""
         kivi, dtype = self.config, self.k_ring.dtype
         k_rot = rope(k, positions).astype(dtype)  # the new tokens attend to each other after RoPE
         if kivi.rotate_keys:  # q . k unchanged: both in the basis H
@@ -399,6 +434,11 @@ class KIVICache:
 
     def commit(self, updates: KIVIUpdate, num_new: jax.Array) -> "KIVICache":
         """Writes every layer's update (stacked on a leading layer axis) and advances `length` by `num_new`."""
+        if self.first is not None:  # (first part's updates, the rest's), each stacked over all layers
+            n = self.config.first_layers
+            first = self.first.commit(jax.tree_util.tree_map(lambda x: x[:n], updates[0]), num_new)
+            rest = self.replace(first=None).commit(jax.tree_util.tree_map(lambda x: x[n:], updates[1]), num_new)
+            return rest.replace(first=first, error_flags=rest.error_flags | first.error_flags)
         r = self.residual
         num_new = num_new.astype(jnp.int32)
         length, new_length = self.length, self.length + num_new
@@ -428,7 +468,8 @@ class KIVICache:
     def grown(self, max_tokens: int) -> "KIVICache":
         """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
         self.config.check_shapes(self.k_ring.shape[-1], max_tokens)
-        return self.replace(k=self.k.grown(max_tokens), v=self.v.grown(max_tokens))
+        first = None if self.first is None else self.first.grown(max_tokens)
+        return self.replace(k=self.k.grown(max_tokens), v=self.v.grown(max_tokens), first=first)
 
 
 def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array) -> jax.Array:
@@ -473,7 +514,15 @@ def ring_after(ring: jax.Array, new: jax.Array, held: jax.Array, length: jax.Arr
 def kivi_cache_bytes(
     cfg: LlamaConfig, kivi: KIVIConfig, batch: int, max_tokens: int, compute_bytes: int
 ) -> dict[str, int]:
-    """docs/design.md §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, bookkeeping)."""
+    """docs/design.md §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, sinks,
+    bookkeeping); per-layer bits add the first layers' part (with its own copy of the bookkeeping)."""
+    if kivi.first_layers:
+        n = kivi.first_layers
+        first = kivi_cache_bytes(dataclasses.replace(cfg, num_layers=n), kivi.first(), batch, max_tokens,
+                                 compute_bytes)
+        rest = kivi_cache_bytes(dataclasses.replace(cfg, num_layers=cfg.num_layers - n), kivi.rest(), batch,
+                                max_tokens, compute_bytes)
+        return {name: first[name] + rest[name] for name in first}
     lbh = cfg.num_layers * batch * cfg.num_kv_heads
     d, r = cfg.head_dim, kivi.residual_length
     scale_bytes = jnp.dtype(quant.SCALE_DTYPES[kivi.scale_dtype]).itemsize

@@ -21,7 +21,8 @@ class KIVIConfig:
     Beyond KIVI (docs/quality.md; all off by default): `pre_rope` quantizes keys before RoPE and rotates them after
     dequantization; `sinks` keeps the first S tokens' keys and values in full precision; `rotate_values` quantizes
     values in a per-head orthogonal basis folded into the value and output projections (`kivi_jax.rotation`);
-    `rotate_keys` rotates queries and keys by the same basis every step (measured, see docs/quality.md).
+    `rotate_keys` rotates queries and keys by the same basis every step (measured, see docs/quality.md);
+    `first_layers = n` stores layers `[0, n)` with `first_k_bits` / `first_v_bits` instead (per-layer bits).
     """
 
     k_bits: int = 2
@@ -35,6 +36,9 @@ class KIVIConfig:
     sinks: int = 0
     rotate_values: bool = False
     rotate_keys: bool = False
+    first_layers: int = 0
+    first_k_bits: int = 0
+    first_v_bits: int = 0
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -58,6 +62,15 @@ class KIVIConfig:
         for name in ("pre_rope", "rotate_values", "rotate_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.first_layers, int) or self.first_layers < 0:
+            raise ValueError(f"first_layers={self.first_layers!r} must be a whole number of layers >= 0")
+        if self.first_layers:
+            for name in ("first_k_bits", "first_v_bits"):
+                if getattr(self, name) not in SUPPORTED_BITS:
+                    raise ValueError(f"{name}={getattr(self, name)} is not supported for the first {self.first_layers} "
+                                     f"layers; choose one of {SUPPORTED_BITS}")
+        elif self.first_k_bits or self.first_v_bits:
+            raise ValueError("first_k_bits/first_v_bits need first_layers > 0 (the layers they apply to)")
         if self.rotate_keys and self.pre_rope:
             raise ValueError("rotate_keys rotates keys after RoPE; it cannot be combined with pre_rope (drop one)")
 
@@ -108,7 +121,18 @@ class KIVIConfig:
             s += "-rotv"
         if self.rotate_keys:
             s += "-rotk"
+        if self.first_layers:
+            s += f"-l{self.first_layers}k{self.first_k_bits}v{self.first_v_bits}"
         return s
+
+    def first(self) -> "KIVIConfig":
+        """The configuration of the first `first_layers` layers (their bits, everything else shared)."""
+        return dataclasses.replace(self, k_bits=self.first_k_bits, v_bits=self.first_v_bits, first_layers=0,
+                                   first_k_bits=0, first_v_bits=0)
+
+    def rest(self) -> "KIVIConfig":
+        """The configuration of the other layers (without the per-layer part)."""
+        return dataclasses.replace(self, first_layers=0, first_k_bits=0, first_v_bits=0)
 
     @property
     def bits_per_value(self) -> float:
@@ -117,10 +141,19 @@ class KIVIConfig:
         return bits_per_value(self, None)
 
 
-def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = None) -> float:
+def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = None,
+                   num_layers: int | None = None) -> float:
     """Bits a cached value costs, keys and values averaged: codes plus (scale, min) per group in the scale dtype, and
     with `tokens` the sink tokens' full-precision (float16) keys and values spread over them. The ring is not
-    counted (it is the same R tokens for every configuration). `head_dim` None: per-token groups of G channels."""
+    counted (it is the same R tokens for every configuration). `head_dim` None: per-token groups of G channels.
+    Per-layer bits (`first_layers`) are averaged over `num_layers` (required then)."""
+    if kivi.first_layers:
+        if num_layers is None or num_layers <= kivi.first_layers:
+            raise ValueError(f"{kivi.spec} sets the first {kivi.first_layers} layers apart: give the model's "
+                             f"num_layers (more than {kivi.first_layers})")
+        n = kivi.first_layers
+        return (n * bits_per_value(kivi.first(), head_dim, tokens)
+                + (num_layers - n) * bits_per_value(kivi.rest(), head_dim, tokens)) / num_layers
     scale_bits = 2 * 8 * {"float16": 2, "bfloat16": 2, "float32": 4}[kivi.scale_dtype]  # a scale and a min
     total = 0.0
     for bits, axis in ((kivi.k_bits, kivi.key_axis), (kivi.v_bits, kivi.value_axis)):
@@ -142,15 +175,18 @@ ALIASES = {
 SPEC_HELP = (
     "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
     f"'kivi2+' (= {ALIASES['kivi2+'].spec}) and 'kivi3+' (= {ALIASES['kivi3+'].spec}), beyond KIVI; "
-    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk] with bits in "
+    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk][-l<n>k<b>v<b>] "
+    "with bits in "
     "{2,3,4,8}, group size G (default 32: tokens per group for per-channel stores, channels, at most head_dim, for "
     "per-token ones) and residual length R (default 128, a multiple of G), e.g. k4v2-g64-r128; "
     "-ktok quantizes keys per-token and -vchan values per-channel (the axis ablation); -sf32/-sbf16 store scales "
     "and mins in float32/bfloat16 instead of float16; -prerope quantizes keys before RoPE; -s<S> keeps the first S "
-    "tokens in full precision; -rotv quantizes values in a rotated basis; -rotk rotates queries and keys"
+    "tokens in full precision; -rotv quantizes values in a rotated basis; -rotk rotates queries and keys; "
+    "-l<n>k<b>v<b> stores the first n layers with other key/value bits (e.g. -l2k4v4)"
 )
 
-_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:g\d+|r\d+|ktok|vchan|sf32|sbf16|s\d+|prerope|rotv|rotk))*)$")
+_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:g\d+|r\d+|ktok|vchan|sf32|sbf16|s\d+|prerope|rotv|rotk|l\d+k\d+v\d+))*)$")
+_LAYERS = re.compile(r"^l(\d+)k(\d+)v(\d+)$")
 FLAGS = {"ktok": ("key_axis", "token"), "vchan": ("value_axis", "channel"), "sf32": ("scale_dtype", "float32"),
          "sbf16": ("scale_dtype", "bfloat16"), "prerope": ("pre_rope", True), "rotv": ("rotate_values", True),
          "rotk": ("rotate_keys", True)}
@@ -173,6 +209,13 @@ def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
     opts = [o for o in m.group(3).split("-") if o]
     kw: dict = {"k_bits": int(m.group(1)), "v_bits": int(m.group(2))}
     for o in opts:
+        layers = _LAYERS.match(o)
+        if layers:
+            if "first_layers" in kw:
+                raise ValueError(f"bad cache spec {spec!r}: first_layers given twice")
+            kw.update(first_layers=int(layers.group(1)), first_k_bits=int(layers.group(2)),
+                      first_v_bits=int(layers.group(3)))
+            continue
         key, value = FLAGS.get(o) or ({"g": "group_size", "r": "residual_length", "s": "sinks"}[o[0]], int(o[1:]))
         if key in kw:
             raise ValueError(f"bad cache spec {spec!r}: {key} given twice")

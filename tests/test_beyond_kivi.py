@@ -175,3 +175,35 @@ def test_rotated_keys_change_no_score_while_everything_is_in_the_ring(tiny_dirs)
     # the ring holds the keys in the basis H: not the plain keys
     _, plain_cache = forward(params, tokens, make_cache("k2v2-g16-r32", params.config, 1, 64))
     assert np.abs(np.asarray(cache.k_ring - plain_cache.k_ring)).max() > 1e-3
+
+
+def test_per_layer_bits_store_the_first_layers_apart(tiny_dirs):
+    """`-l1k4v4`: layer 0 at 4 bits, the others at 2. Layer 0 sees the same input in any cache, so its stores equal
+    those of an all-4-bit cache fed the same tokens (prefill, a chunk, a decode step under jit)."""
+    path, _ = tiny_dirs["llama_gqa_llama3"]
+    params = load_hf(path)
+    cfg = params.config
+    mixed, low, high = (parse_cache_spec(s) for s in ("k2v2-g16-r32-s2-l1k4v4", "k2v2-g16-r32-s2", "k4v4-g16-r32-s2"))
+    assert mixed.first() == high and mixed.rest() == low
+    cache = make_cache(mixed, cfg, 2, 128)
+    assert cache.first.k.codes.shape[0] == 1 and cache.k.codes.shape[0] == cfg.num_layers - 1
+    assert cache.first.k.bits == 4 and cache.k.bits == 2
+    assert cache.nbytes == kivi_cache_bytes(cfg, mixed, 2, 128, 4)["total"]
+    tokens = jnp.asarray(np.random.RandomState(26).randint(3, TINY_VOCAB, (2, 61)).astype(np.int32))
+    step = jax.jit(forward, donate_argnames=("cache",))
+    caches, logits = {}, {}
+    for s in (mixed, high):  # prefill 37 / 50 tokens, then a chunk, then one token
+        c = make_cache(s, cfg, 2, 128)
+        _, c = step(params, tokens[:, :50], c, jnp.asarray([37, 50]))
+        _, c = step(params, tokens[:, 50:60], c, jnp.asarray([10, 4]))
+        logits[s], caches[s] = step(params, tokens[:, 60:61], c)
+    assert caches[mixed].length.tolist() == [48, 55] and caches[mixed].first.length.tolist() == [48, 55]
+    first, high_c = caches[mixed].first, caches[high]
+    for name in ("codes", "scale", "mn"):
+        np.testing.assert_array_equal(np.asarray(getattr(first.k, name)), np.asarray(getattr(high_c.k, name)[:1]))
+        np.testing.assert_array_equal(np.asarray(getattr(first.v, name)), np.asarray(getattr(high_c.v, name)[:1]))
+    np.testing.assert_array_equal(np.asarray(first.k_ring), np.asarray(high_c.k_ring[:1]))
+    np.testing.assert_array_equal(np.asarray(first.k_sink), np.asarray(high_c.k_sink[:1]))
+    assert np.abs(np.asarray(caches[mixed].k.codes)).max() > 0  # the other layers were written, at 2 bits
+    assert np.isfinite(np.asarray(logits[mixed])).all()
+    assert np.abs(np.asarray(logits[mixed] - logits[high])).max() > 1e-4  # layers 1.. are 2-bit: it shows
