@@ -10,6 +10,7 @@ import time
 from kivi_jax import cli_args
 from kivi_jax.cli_args import integer, real, utf8_text, writable_file
 from kivi_jax.config import SPEC_HELP
+from kivi_jax.quant import SUPPORTED_BITS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -45,7 +46,7 @@ def _is_kivi(args) -> bool:
 
 
 _NOT_FOR_FULL = ("the full-precision cache (--cache full) has no bits, groups or residual; drop the flag or choose a "
-                 "KIVI cache (--cache kivi2, kivi4 or k<bits>v<bits>[-g<G>][-r<R>])")
+                 "KIVI cache (--cache kivi2, kivi4, kivi2+, kivi3+ or k<bits>v<bits>[-g<G>][-r<R>])")
 
 
 def _is_sampling(args) -> bool:
@@ -54,9 +55,9 @@ def _is_sampling(args) -> bool:
 
 def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
     p.add_argument("--cache", default=default, help=f"cache kind (default {default}); {SPEC_HELP}")
-    cli_args.add_conditional(p, "--k-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=(2, 4, 8),
+    cli_args.add_conditional(p, "--k-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=SUPPORTED_BITS,
                              help="override the key bits of a KIVI --cache")
-    cli_args.add_conditional(p, "--v-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=(2, 4, 8),
+    cli_args.add_conditional(p, "--v-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=SUPPORTED_BITS,
                              help="override the value bits of a KIVI --cache")
     cli_args.add_conditional(p, "--group-size", _is_kivi, _NOT_FOR_FULL, type=integer(1),
                              help="override the group size G of a KIVI --cache")
@@ -493,7 +494,7 @@ def add_eval_parser(sub) -> None:
     _add_eval_common(r)
     r.add_argument("--tokens", type=integer(1), default=512, help="tokens per window (a multiple of --group-size; default 512)")
     r.add_argument("--windows", type=integer(1), default=2, help="windows evenly spaced over the text (default 2)")
-    r.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=2, help="bits for keys and values (default 2)")
+    r.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=2, help="bits for keys and values (default 2)")
     r.add_argument("--group-size", type=integer(1), default=32, help="group size G (default 32)")
     r.set_defaults(func=cmd_eval_errors)
 

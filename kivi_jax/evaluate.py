@@ -323,7 +323,7 @@ def peer_rows(report: dict) -> list[dict]:
         if not isinstance(cache, dict):
             continue
         group = cache.get("q_group_size", 64)
-        rows.append({"study": "peer", "spec": f"quanto {name}", "bits": cache["nbits"] + 2 * 32 / group,
+        rows.append({"study": "peer", "spec": name, "bits": cache["nbits"] + 2 * 32 / group,
                      "delta_nll": r["nll"] - full["nll"], "kl_vs_full": r["kl_vs_full"],
                      "top1_agree": r["top1_agree"]})
     return rows
