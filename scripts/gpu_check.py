@@ -1,7 +1,7 @@
 """GPU check of the decode kernels: correctness of the shipped configurations against the jnp twins (3-bit ones with
 the group size cycled; the kivi2+/kivi3+-like ones with pre-RoPE keys and sinks), then timing of the KIVI kernel
-(kivi2, kivi4 and the preset-like configurations) against two fp16 baselines (the full-precision Pallas kernel and jax.nn.dot_product_attention) with
-the bandwidth each achieves on the bytes it must read.
+(kivi2, kivi4 and the preset-like configurations) against two fp16 baselines (the full-precision Pallas kernel and
+jax.nn.dot_product_attention) with the bandwidth each achieves on the bytes it must read.
 
 On a GPU machine, from the checkout (no install needed; imports only jax, numpy and pallas_kernels):
     bash scripts/gpu_check.sh [--json PATH]            # = PYTHONPATH=. python3 scripts/gpu_check.py

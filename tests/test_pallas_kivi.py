@@ -12,9 +12,9 @@ import pytest
 import kivi_jax
 from kivi_jax import attention
 from kivi_jax.cache import KIVICache
-from kivi_jax.config import KIVIConfig
+from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
-from kivi_jax.models.llama import init_params
+from kivi_jax.models.llama import forward, init_params
 from kivi_jax.pallas_kernels import kivi_decode
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -265,3 +265,27 @@ def test_kernel_planes_are_quants():
     from kivi_jax import quant
 
     assert kivi_decode.PLANES == {b: quant.PLANES[b] for b in kivi_decode.KERNEL_BITS}
+
+
+def test_model_decode_step_with_a_preset_like_cache_runs_the_kernel_like_the_xla_path(monkeypatch):
+    """End to end through the model: over a kivi2+-like cache (3-bit keys stored before RoPE, 4 sinks; R = G = 32 to
+    keep it small) holding a ragged batch (one sequence shorter than the sinks), a decode step with the kernel gets
+    the sinks and inverse frequencies, does not fall back, and gives the XLA path's logits; the sliding window reaches
+    past the sinks of the long sequence."""
+    calls = []
+    real = kivi_decode.decode
+    monkeypatch.setattr(kivi_decode, "decode", lambda *a, **k: calls.append(k) or real(*a, **k))
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, sliding_window=40)
+    params = init_params(cfg, jax.random.PRNGKey(3), std=0.2)
+    kivi = parse_cache_spec("k3v2-g32-r32-prerope-s4")
+    cache = random_cache(kivi, 2, 2, 64, 128, [3, 90], jnp.float32, seed=5).replace(impl="xla")
+    step = jnp.asarray([[7], [99]], jnp.int32)
+    xla, _ = compiled(forward, params, step, cache)(params, step, cache)
+    cache = cache.replace(impl="pallas")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no silent fallback
+        pallas, _ = compiled(forward, params, step, cache)(params, step, cache)
+    assert calls and calls[0]["k_sink"].shape == (2, 2, 2, 4, 64) and calls[0]["inv_freq"].shape == (32,)
+    assert np.abs(np.asarray(pallas) - np.asarray(xla)).max() <= 1e-4
+    assert np.asarray(xla).std() > 0.1  # real logits
