@@ -488,7 +488,7 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
     `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel reads them and the stores in place and masks
     the sliding window. Configurations it does not serve (`kivi_decode.unsupported`: the axis ablations, 8-bit codes,
-    other group sizes or head dims; the native kernel also sinks and pre-RoPE keys) run the XLA path.
+    other group sizes or head dims; for the native kernel also sinks and pre-RoPE keys) run the XLA path.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
@@ -509,8 +509,8 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     if use_native(impl):
         from kivi_jax import native
 
-        reason = beyond_kivi_reason(sinks, inv_freq) or native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype,
-                                                   k_ring.shape[-2])
+        reason = beyond_kivi_reason(sinks, inv_freq) or native.unsupported_kivi(
+            q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2])
         if reason is None:
             return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
         fall_back(impl, reason)

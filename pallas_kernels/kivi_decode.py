@@ -1,10 +1,10 @@
 """Fused dequantize + attention decode over a KIVI cache: a flash-decoding Pallas kernel and its pure-jnp twin.
 
 The cache (docs/design.md §2), stacked over layers, read in place (the layer is an index the kernel reads, never a slice):
-- keys per-channel: codes `[layers, batch, kv_heads, tokens, D // pk]` uint8 planar-packed, scale/min
+- keys per-channel: codes `[layers, batch, kv_heads, tokens, D * bits / 8]` uint8 planar-packed, scale/min
   `[layers, batch, kv_heads, tokens // G, D]`; quantized for tokens `[0, (length // R) * R)`;
-- values per-token: codes `[layers, batch, kv_heads, tokens, D // pv]`, scale/min `[layers, batch, kv_heads, tokens,
-  D // G]`; quantized for tokens `[0, max(length - R, 0))`;
+- values per-token: codes `[layers, batch, kv_heads, tokens, D * bits / 8]`, scale/min `[layers, batch, kv_heads,
+  tokens, D // G]`; quantized for tokens `[0, max(length - R, 0))`;
 - rings `[layers, batch, kv_heads, R, D]` in the compute dtype, token t in slot t % R.
 
 Grid (batch, kv head, split). Programs `split < num_splits` walk their share of the tokens whose key and value are
@@ -16,6 +16,12 @@ head at once (rows padded to 16 for the dot) and keep an online softmax in float
 flushed, from the last quantized key block, values from the ring. A small jnp epilogue (`combine`) merges the
 partials with the new token's own key and value. Per-sequence lengths and the sliding window are masked; blocks
 wholly outside the window are skipped.
+
+Beyond KIVI (docs/kernels.md): 3-bit codes are a 2-bit plane then a 1-bit plane in one row (`3D/8` bytes); the
+kernel reads them in the 2-bit plane's slabs, the high bits by a gather load and a per-column shift. Pre-RoPE keys
+(`inv_freq` given) are dequantized per block, rotated in registers by their positions (slab i and slab i + slabs/2
+are RoPE's two halves) and dotted with the query; the ring's keys likewise. Sink tokens `[0, S)` are left out of
+the kernel's segments and attended in full precision in the jnp epilogue (`sink_partial`).
 """
 
 from __future__ import annotations
