@@ -139,12 +139,10 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
 
     def high_bits(ref, t0, c0, width):
         """uint8 `[G, width]`: the 1-bit plane's bit of channels `[c0, c0 + width)` of the G tokens from t0 (3-bit
-        codes). The plane follows the 2-bit plane's D/4 bytes; byte j holds channels j, j + D/8, ... Within one bit
-        slab a plain load; across two (a D/4-wide piece) a gather load of each column's byte and a per-column shift."""
+        codes). The plane follows the 2-bit plane's D/4 bytes; byte j holds channels j, j + D/8, ... A D/4-wide slab
+        spans two of its bit slabs: a gather load of each column's byte and a per-column shift (D/8 = 8 channels at
+        head_dim 64 is too narrow for a Triton dot, and Triton's Pallas backend cannot concatenate two tiles)."""
         eighth = head_dim // 8
-        if c0 % eighth + width <= eighth:
-            raw = ref[layer, b, h, pl.ds(t0, g), pl.ds(head_dim // 4 + c0 % eighth, width)]
-            return (raw >> (c0 // eighth)) & 1
         ch = c0 + jnp.arange(width)
         raw = ref[layer, b, h, (t0 + jnp.arange(g))[:, None], (head_dim // 4 + ch % eighth)[None, :]]
         return (raw >> (ch // eighth).astype(jnp.uint8)[None, :]) & 1
