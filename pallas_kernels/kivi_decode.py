@@ -156,20 +156,21 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
             codes = codes | (high_bits(ref, t0, c0, width) << 2)
         return codes
 
-    def key_slabs(t0):
-        """uint8 code slabs `[G, D/slabs]` of the G quantized keys from token t0, in channel order."""
-        first_plane = kc_ref[layer, b, h, pl.ds(t0, g), :] if k_bits != 3 else \
-            kc_ref[layer, b, h, pl.ds(t0, g), pl.ds(0, wk)]  # [G, D/pk] uint8
-        return [planar(first_plane, kc_ref, t0, i, i * wk, wk, k_bits) for i in range(n_slabs)]
+    def key_first_plane(t0):
+        """uint8 `[G, D/slabs]`: the first plane's bytes of the G quantized keys from token t0."""
+        if k_bits == 3:
+            return kc_ref[layer, b, h, pl.ds(t0, g), pl.ds(0, wk)]
+        return kc_ref[layer, b, h, pl.ds(t0, g), :]  # the whole row
 
     def key_scores(t0, grp):
         """Scores `[rows, G]` of the G quantized keys from token t0 (key group `grp`), scales folded into q."""
+        first_plane = key_first_plane(t0)
         scores = jnp.zeros((rows, g), jnp.float32)
         bias = jnp.zeros((rows,), jnp.float32)
-        for i, codes in enumerate(key_slabs(t0)):
+        for i in range(n_slabs):
             scale = ks_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)  # [D/pk]
             mn = km_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)
-            slab = codes.astype(dtype)  # channels [i*D/pk, (i+1)*D/pk)
+            slab = planar(first_plane, kc_ref, t0, i, i * wk, wk, k_bits).astype(dtype)  # channels [i*wk, (i+1)*wk)
             for part in split_parts(q_slabs[i] * (scale * sm_scale)[None, :], dtype):
                 scores = scores + dot(part, slab, trans_b=True)
             bias = bias + jnp.sum(q_slabs[i] * mn[None, :], axis=1)
@@ -191,10 +192,12 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
 
     def rotated_key_scores(t0, grp):
         """Scores `[rows, G]` of the G quantized pre-RoPE keys from token t0: dequantized, rotated, dotted."""
+        first_plane = key_first_plane(t0)
         keys = []
-        for i, codes in enumerate(key_slabs(t0)):
+        for i in range(n_slabs):
             scale = ks_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)  # [D/pk]
             mn = km_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)
+            codes = planar(first_plane, kc_ref, t0, i, i * wk, wk, k_bits)
             keys.append(codes.astype(jnp.float32) * scale[None, :] + mn[None, :])  # [G, D/pk]
         return rotated_scores(keys[: n_slabs // 2], keys[n_slabs // 2 :], t0 + jnp.arange(g))
 
