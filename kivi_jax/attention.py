@@ -486,31 +486,31 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     """Decode attention over one layer of a KIVI cache with the chosen implementation.
 
     Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
-    `layer=None`); `inv_freq` marks a pre-RoPE cache. The kernel reads them and the stores in place and masks the
-    sliding window. Configurations it does not serve (`kivi_decode.unsupported`: the axis ablations, 8-bit codes,
-    other group sizes or head dims) run the XLA path.
+    `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel reads them and the stores in place and masks
+    the sliding window. Configurations it does not serve (`kivi_decode.unsupported`: the axis ablations, 8-bit codes,
+    other group sizes or head dims; for the native kernel also sinks and pre-RoPE keys) run the XLA path.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
-    beyond = beyond_kivi_reason(sinks, inv_freq)
     if use_pallas(impl):
         from kivi_jax.pallas_kernels import kivi_decode
 
-        reason = beyond or kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
-                                                   k_ring.shape[-2], k_store.axis, v_store.axis)
+        reason = kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
+                                         k_ring.shape[-2], k_store.axis, v_store.axis)
         if reason is None:
+            k_sink, v_sink = (None, None) if sinks is None else sinks
             return kivi_decode.decode(
                 q, k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale, v_store.mn, k_ring, v_ring,
                 layer, length, k_new, v_new, k_bits=k_store.bits, v_bits=v_store.bits,
-                group_size=k_store.group_size, window=window,
+                group_size=k_store.group_size, window=window, k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq,
             )
         fall_back(impl, reason)
     if use_native(impl):
         from kivi_jax import native
 
-        reason = beyond or native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype,
-                                                   k_ring.shape[-2])
+        reason = beyond_kivi_reason(sinks, inv_freq) or native.unsupported_kivi(
+            q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2])
         if reason is None:
             return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
         fall_back(impl, reason)
@@ -520,7 +520,8 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
 
 
 def beyond_kivi_reason(sinks, inv_freq) -> str | None:
-    """Why the decode kernels cannot serve a cache with sink tokens or pre-RoPE keys (None when neither is on)."""
+    """Why the native kernel cannot serve a cache with sink tokens or pre-RoPE keys (None when neither is on; the
+    Pallas kernel reads both)."""
     if sinks is not None or inv_freq is not None:
-        return "the kernel does not read sink tokens or pre-RoPE keys yet"
+        return "the native kernel does not read sink tokens or pre-RoPE keys"
     return None

@@ -1,6 +1,7 @@
-"""GPU check of the decode kernels: correctness of every shipped configuration against the jnp twins, then timing of
-the KIVI kernel against two fp16 baselines (the full-precision Pallas kernel and jax.nn.dot_product_attention) with
-the bandwidth each achieves on the bytes it must read.
+"""GPU check of the decode kernels: correctness of the shipped configurations against the jnp twins (3-bit ones with
+the group size cycled; the kivi2+/kivi3+-like ones with pre-RoPE keys and sinks), then timing of the KIVI kernel
+(kivi2, kivi4 and the preset-like configurations) against two fp16 baselines (the full-precision Pallas kernel and
+jax.nn.dot_product_attention) with the bandwidth each achieves on the bytes it must read.
 
 On a GPU machine, from the checkout (no install needed; imports only jax, numpy and pallas_kernels):
     bash scripts/gpu_check.sh [--json PATH]            # = PYTHONPATH=. python3 scripts/gpu_check.py
@@ -34,12 +35,23 @@ MODELS = {  # kv heads, query heads, head_dim
     "smollm2-135m": (3, 9, 64),
 }
 SMOKE_MODELS = {"tiny-gqa": (2, 6, 64)}
-TIMED_KIVI = {"kivi2": (2, 2, 32), "kivi4": (4, 4, 32)}  # k_bits, v_bits, group size; residual 128
+# k_bits, v_bits, group size, pre-RoPE keys, sink tokens; residual 128. The "+like" rows stand for the kivi2+ and
+# kivi3+ presets (3-bit codes, keys stored before RoPE and rotated in the kernel, full-precision sinks).
+TIMED_KIVI = {"kivi2": (2, 2, 32, False, 0), "kivi4": (4, 4, 32, False, 0), "kivi2+like": (3, 2, 64, True, 4),
+              "kivi3+like": (4, 3, 64, True, 4)}
+SMOKE_TIMED = ("kivi2", "kivi4")  # --smoke times these (interpret mode compiles slowly; its correctness row runs
+# a preset-like configuration)
 RESIDUAL = 128
 MEMORY_FRACTION = 0.4
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600}  # HBM/GDDR, by device-kind substring
 SMOKE_COMPILE = {"xla_backend_optimization_level": 0}  # --smoke on CPU: compiling dominates, not running
 SHIPPED = [(kb, vb, g, d) for kb in (2, 4) for vb in (2, 4) for d in (64, 128) for g in (32, 64, 128) if g <= d]
+# with 3-bit codes: every bits pair with a 3 at both head dims, the group size cycled (tests/test_pallas_lowering.py
+# lowers them all)
+SHIPPED += [(kb, vb, (32, 64, 128)[i % 3] if d == 128 else (32, 64)[i % 2], d)
+            for i, (kb, vb) in enumerate([(3, 2), (3, 3), (3, 4), (2, 3), (4, 3)]) for d in (64, 128)]
+# (k_bits, v_bits, group, head_dim, sinks) checked with pre-RoPE keys: the preset-like configurations
+PRE_ROPE = [(3, 2, 64, 64, 4), (3, 2, 64, 128, 4), (4, 3, 64, 64, 4), (4, 3, 64, 128, 4), (2, 2, 32, 64, 5)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -69,8 +81,10 @@ def filled(seed: int, shape, dtype, low=None, high=None):
     return jax.jit(lambda b: jnp.broadcast_to(jnp.tile(b, (shape[-2] // rows, 1)), shape))(block)
 
 
-def kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, k_bits, v_bits, group, dtype):
-    """Random KIVI cache arrays (one layer) and the new token: the kernel's arguments after q."""
+def kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, k_bits, v_bits, group, dtype, pre_rope=False,
+                sinks=0):
+    """Random KIVI cache arrays (one layer) and the new token: the kernel's arguments after q; and the keyword
+    arguments of a pre-RoPE cache (`inv_freq`) with sinks (`k_sink`, `v_sink`)."""
     lead = (batch, kv_heads)
     shapes = [
         (lead + (tokens, head_dim * k_bits // 8), jnp.uint8, None, None),
@@ -85,7 +99,13 @@ def kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, k_bits, v_bits
     cache = tuple(filled(seed * 100 + i, *spec) for i, spec in enumerate(shapes))
     q = filled(seed * 100 + 50, (batch, 1, q_heads, head_dim), dtype)
     new = [filled(seed * 100 + 51 + i, (batch, 1, kv_heads, head_dim), dtype) for i in range(2)]
-    return q, cache, new
+    extra = {}
+    if pre_rope:
+        extra["inv_freq"] = 1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if sinks:
+        extra.update(k_sink=filled(seed * 100 + 60, lead + (sinks, head_dim), dtype),
+                     v_sink=filled(seed * 100 + 61, lead + (sinks, head_dim), dtype))
+    return q, cache, new, extra
 
 
 def full_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, layout="bhtd"):
@@ -123,26 +143,32 @@ def compare(kernel: str, config: str, dtype: str, window, run) -> dict:
 
 
 def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
-    """Every shipped KIVI configuration (bfloat16; a few in float32 and with a sliding window), the full kernel and
-    the dot_product_attention baseline, on random inputs with ragged lengths, against the jnp twins."""
+    """Every shipped KIVI configuration (bfloat16; a few in float32 and with a sliding window), the preset-like ones
+    with pre-RoPE keys and sinks (bfloat16 and float32, with and without a window), the full kernel and the
+    dot_product_attention baseline, on random inputs with ragged lengths, against the jnp twins."""
     batch, kv_heads, q_heads, tokens = 3, 2, 6, (512 if smoke else 1024)
-    length = jnp.array([tokens - 1, 300, 77], jnp.int32)
-    cases = [(c, "bfloat16", None) for c in SHIPPED]
-    cases += [(c, "float32", None) for c in SHIPPED[::5]] + [(SHIPPED[0], "bfloat16", 200), (SHIPPED[-1], "float32", 90)]
+    length = jnp.array([tokens - 1, 300, 3], jnp.int32)  # the last one shorter than the sinks
+    cases = [(c + (False, 0), "bfloat16", None) for c in SHIPPED]
+    cases += [(c + (False, 0), "float32", None) for c in SHIPPED[::5]]
+    cases += [(SHIPPED[0] + (False, 0), "bfloat16", 200), (SHIPPED[-1] + (False, 0), "float32", 90)]
+    cases += [((kb, vb, g, d, True, s), dtype, window) for kb, vb, g, d, s in PRE_ROPE
+              for dtype, window in (("bfloat16", None), ("float32", 200))]
     if smoke:
-        cases = [(SHIPPED[0], "bfloat16", 200)]
+        cases = [(SHIPPED[0] + (False, 0), "bfloat16", 200), ((3, 2, 64, 64, True, 4), "float32", 200)]
     rows = []
-    for (kb, vb, g, d), dtype, window in cases:
+    for (kb, vb, g, d, pre_rope, sinks), dtype, window in cases:
 
         def run():
-            q, cache, (k_new, v_new) = kivi_inputs(kb * 1000 + vb * 100 + g + d, batch, kv_heads, q_heads, d, tokens,
-                                                   kb, vb, g, jnp.dtype(dtype))
+            q, cache, (k_new, v_new), extra = kivi_inputs(kb * 1000 + vb * 100 + g + d, batch, kv_heads, q_heads, d,
+                                                          tokens, kb, vb, g, jnp.dtype(dtype), pre_rope, sinks)
             kw = dict(k_bits=kb, v_bits=vb, group_size=g, window=window)
             args = (q, *cache, None, length, k_new, v_new)
-            return (compiled(lambda *a: kivi_decode.decode(*a, **kw, interpret=interpret), args, smoke)(*args),
-                    compiled(lambda *a: kivi_decode.reference(*a, **kw), args, smoke)(*args))
+            return (compiled(lambda a, e: kivi_decode.decode(*a, **kw, **e, interpret=interpret), (args, extra),
+                             smoke)(args, extra),
+                    compiled(lambda a, e: kivi_decode.reference(*a, **kw, **e), (args, extra), smoke)(args, extra))
 
-        rows.append(compare("kivi", f"k{kb}v{vb}-g{g}-d{d}", dtype, window, run))
+        name = f"k{kb}v{vb}-g{g}-d{d}" + (f"-prerope-s{sinks}" if pre_rope else "")
+        rows.append(compare("kivi", name, dtype, window, run))
     full_cases = ((64, "bfloat16", None), (128, "bfloat16", 300), (128, "float32", None))
     for d, dtype, window in full_cases[1:2] if smoke else full_cases:
 
@@ -209,11 +235,12 @@ def time_method(kind, seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, a
         q, k, v, _ = full_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, "bthd")
         fn, call = full_decode.sdpa_decode, (q, k, v, length + 1)
     else:
-        kb, vb, g = TIMED_KIVI[kind]
-        q, cache, (k_new, v_new) = kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, kb, vb, g, dtype)
-        fn = lambda q, c, l, kn, vn: kivi_decode.decode(q, *c, None, l, kn, vn, k_bits=kb, v_bits=vb, group_size=g,
-                                                        interpret=interpret)
-        call = (q, cache, length, k_new, v_new)
+        kb, vb, g, pre_rope, sinks = TIMED_KIVI[kind]
+        q, cache, (k_new, v_new), extra = kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, kb, vb, g,
+                                                      dtype, pre_rope, sinks)
+        fn = lambda q, c, l, kn, vn, e: kivi_decode.decode(q, *c, None, l, kn, vn, k_bits=kb, v_bits=vb, group_size=g,
+                                                           **e, interpret=interpret)
+        call = (q, cache, length, k_new, v_new, extra)
     return median_seconds(fn, call, args.warmup, args.repeats, args.inner, args.smoke)
 
 
@@ -231,16 +258,17 @@ def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str
                 full_bytes = full_decode.bytes_read(batch, kv_heads, tokens, head_dim, dtype.itemsize)
                 key = tokens + batch
                 base = {}
-                methods = [("pallas-fp16", "full"), ("sdpa-fp16", "sdpa")] + [(n, n) for n in TIMED_KIVI]
+                methods = [("pallas-fp16", "full"), ("sdpa-fp16", "sdpa")]
+                methods += [(n, n) for n in TIMED_KIVI if n in SMOKE_TIMED or not args.smoke]
                 for name, kind in methods:
                     label = f"{model} tokens={tokens} batch={batch} {name}"
                     if kind in ("full", "sdpa"):
                         need, read = full_bytes, full_bytes
                     else:
-                        kb, vb, g = TIMED_KIVI[kind]
+                        kb, vb, g, _, sinks = TIMED_KIVI[kind]
                         need = tokens * batch * kv_heads * head_dim * (kb + vb) // 8 * 2  # codes + scales, generous
                         read = kivi_decode.bytes_read(batch, kv_heads, tokens, head_dim, kb, vb, g, RESIDUAL,
-                                                      dtype.itemsize)
+                                                      dtype.itemsize, sinks=sinks)
                     if need > budget:
                         skipped.append(f"{label}: needs {need / 2**30:.1f} GiB, over {MEMORY_FRACTION:.0%} of the "
                                        f"device's {device_memory() / 2**30:.0f} GiB")
@@ -287,9 +315,9 @@ def print_report(report: dict) -> None:
     print(f"peak bandwidth: {fmt(report['peak_gbps'], '.0f')} GB/s (spec), measured stream "
           f"{report['stream_gbps']:.0f} GB/s")
     print("\ncorrectness against the jnp twins")
-    print(f"{'kernel':6} {'config':16} {'dtype':9} {'window':>6} {'max err':>10} {'tol':>7}  ok")
+    print(f"{'kernel':6} {'config':26} {'dtype':9} {'window':>6} {'max err':>10} {'tol':>7}  ok")
     for r in report["correctness"]:
-        print(f"{r['kernel']:6} {r['config']:16} {r['dtype']:9} {fmt(r['window'], 'd'):>6} "
+        print(f"{r['kernel']:6} {r['config']:26} {r['dtype']:9} {fmt(r['window'], 'd'):>6} "
               f"{fmt(r['max_err'], '10.2e'):>10} {r['tol']:7.0e}  {'yes' if r['ok'] else 'NO'} {r.get('error', '')}")
     print("\ndecode attention, one layer (median ms a call; GB/s on the bytes each must read)")
     head = (f"{'model':13} {'tokens':>6} {'batch':>5} {'method':12} {'ms':>9} {'GB':>7} {'GB/s':>7} {'%peak':>6} "

@@ -42,6 +42,7 @@ def test_smoke_run_prints_the_table_and_writes_the_json(tmp_path, capsys, monkey
     assert {r["kernel"] for r in report["correctness"]} == {"kivi", "full", "sdpa"}
     assert all(r["ok"] and r["max_err"] <= r["tol"] for r in report["correctness"])
     assert {r["method"] for r in report["timing"]} == {"pallas-fp16", "sdpa-fp16", "kivi2", "kivi4"}
+    assert any("prerope-s4" in r["config"] for r in report["correctness"])  # the preset-like path ran
     for r in report["timing"]:
         assert r["ms"] > 0 and r["gb_read"] > 0 and r["model"] in printed
 
@@ -56,3 +57,5 @@ def test_bytes_each_must_read():
     ring = 2 * 128 * 128 * 2
     assert kivi_decode.bytes_read(1, 1, 65536, 128, 2, 2, 32, 128, 2) == codes + scales + ring
     assert full_decode.bytes_read(1, 1, 65536, 128, 2) == 2 * 65536 * 128 * 2
+    sinks = 2 * 4 * 128 * 2  # 4 sink tokens' fp16 keys and values
+    assert kivi_decode.bytes_read(1, 1, 65536, 128, 2, 2, 32, 128, 2, sinks=4) == codes + scales + ring + sinks

@@ -1,6 +1,8 @@
 """The real Pallas -> Triton lowering (no GPU needed) succeeds for every shipped kernel configuration, and for a
 whole model decode step whose layer scan feeds the kernels a traced layer index."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -28,14 +30,23 @@ def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-KIVI_MATRIX = [(kb, vb, g, d, dt) for kb in (2, 4) for vb in (2, 4) for d in (64, 128) for g in (32, 64, 128)
-               if g <= d for dt in ("float32", "bfloat16")]
+GROUPS_DIMS = [(g, d) for d in (64, 128) for g in (32, 64, 128) if g <= d]
+# (k_bits, v_bits, group, head_dim, dtype, pre_rope): every shipped combination. 2/4-bit codes after RoPE in both
+# compute dtypes; with 3-bit codes after RoPE, and before RoPE (with 4 sink tokens) for any bits, in bfloat16; the
+# preset-like configurations before RoPE in float32 too.
+KIVI_MATRIX = [(kb, vb, g, d, dt, False) for kb in (2, 4) for vb in (2, 4) for g, d in GROUPS_DIMS
+               for dt in ("float32", "bfloat16")]
+KIVI_MATRIX += [(kb, vb, g, d, "bfloat16", False) for kb in (2, 3, 4) for vb in (2, 3, 4) if 3 in (kb, vb)
+                for g, d in GROUPS_DIMS]
+KIVI_MATRIX += [(kb, vb, g, d, "bfloat16", True) for kb in (2, 3, 4) for vb in (2, 3, 4) for g, d in GROUPS_DIMS]
+KIVI_MATRIX += [(kb, vb, 64, d, "float32", True) for kb, vb in ((3, 2), (4, 3)) for d in (64, 128)]
 
 
-@pytest.mark.parametrize("k_bits, v_bits, group, head_dim, dtype", KIVI_MATRIX,
-                         ids=[f"k{kb}v{vb}-g{g}-d{d}-{dt}" for kb, vb, g, d, dt in KIVI_MATRIX])
-def test_kivi_kernel_lowers_to_triton(k_bits, v_bits, group, head_dim, dtype):
-    layers, batch, kv_heads, q_heads, tokens, residual = 3, 2, 2, 6, 512, 128
+@pytest.mark.parametrize("k_bits, v_bits, group, head_dim, dtype, pre_rope", KIVI_MATRIX,
+                         ids=[f"k{kb}v{vb}-g{g}-d{d}-{dt}" + ("-prerope-s4" if r else "")
+                              for kb, vb, g, d, dt, r in KIVI_MATRIX])
+def test_kivi_kernel_lowers_to_triton(k_bits, v_bits, group, head_dim, dtype, pre_rope):
+    layers, batch, kv_heads, q_heads, tokens, residual, sinks = 3, 2, 2, 6, 512, 128, 4
     lead = (layers, batch, kv_heads)
     args = (
         sds((batch, 1, q_heads, head_dim), dtype),
@@ -52,10 +63,20 @@ def test_kivi_kernel_lowers_to_triton(k_bits, v_bits, group, head_dim, dtype):
         sds((batch, 1, kv_heads, head_dim), dtype),
         sds((batch, 1, kv_heads, head_dim), dtype),
     )
+    extra = (sds(lead + (sinks, head_dim), dtype), sds(lead + (sinks, head_dim), dtype),
+             sds((head_dim // 2,), jnp.float32)) if pre_rope else ()
     assert kivi_decode.unsupported(head_dim, k_bits, v_bits, group, residual) is None
-    for window in (None, 300) if dtype == "bfloat16" else (None,):  # the window is a few scalar ops
-        lowered_for_cuda(lambda *a: kivi_decode.decode(*a, k_bits=k_bits, v_bits=v_bits, group_size=group,
-                                                       window=window, interpret=False), *args)
+
+    def decode(*a, window):
+        k_sink, v_sink, inv_freq = a[13:] if pre_rope else (None, None, None)
+        return kivi_decode.decode(*a[:13], k_bits=k_bits, v_bits=v_bits, group_size=group, window=window,
+                                  k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq, interpret=False)
+
+    # the window is a few scalar ops: both ways for the 2/4-bit bfloat16 cases, with it before RoPE (sinks in view)
+    windows = (None, 300) if dtype == "bfloat16" and 3 not in (k_bits, v_bits) and not pre_rope else \
+        (300,) if pre_rope else (None,)
+    for window in windows:
+        lowered_for_cuda(functools.partial(decode, window=window), *args, *extra)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -70,9 +91,11 @@ def test_full_kernel_lowers_to_triton(head_dim, dtype):
         lowered_for_cuda(lambda *a: full_decode.decode(*a, window, interpret=False), *args)
 
 
-@pytest.mark.parametrize("spec", ["kivi2", "k4v2-g64-r128", "full"])
+@pytest.mark.parametrize("spec", ["kivi2", "k4v2-g64-r128", "k3v2-g64-r128-prerope-s4", "k4v3-g64-r128-prerope-s4",
+                                  "full"])
 def test_model_decode_step_lowers_with_the_kernel_reading_the_stacked_cache(spec, monkeypatch):
-    """forward() over a cache with impl='pallas', lowered for CUDA: the layer index comes from the scan."""
+    """forward() over a cache with impl='pallas', lowered for CUDA: the layer index comes from the scan (the
+    preset-like specs: 3-bit codes, pre-RoPE keys and sinks reach the kernel too)."""
     monkeypatch.setattr(flash_decoding, "interpret_default", lambda interpret: False)  # the real kernel, not on GPU
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=64, sliding_window=None)
