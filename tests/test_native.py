@@ -252,10 +252,10 @@ def test_a_failing_build_falls_back_to_the_xla_path_with_one_warning(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_model_generates_the_xla_greedy_tokens_through_native():
+def test_real_model_generates_the_xla_greedy_tokens_through_native(smollm2):
     from pydoc_data.topics import topics
 
-    model = kivi_jax.load("smollm2")
+    model = smollm2
     text = topics["assignment"][:1500]  # about 300 tokens: quantized, flushed and ring tokens in view
     for spec in ("kivi2", "full"):
         kw = dict(max_new_tokens=48, cache=spec, stop_at_eos=False)

@@ -19,11 +19,6 @@ pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return kivi_jax.load("smollm2", progress=False)
-
-
 def test_default_model_shape(smollm2):
     cfg = smollm2.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
