@@ -87,6 +87,14 @@ def tiny_dirs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (SmolLM2-135M-Instruct), loaded once for every `slow` test that reads it."""
+    import kivi_jax
+
+    return kivi_jax.load("smollm2", progress=False)
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     torch = torch_threads()
     with torch.no_grad():

@@ -108,10 +108,10 @@ def test_the_chat_repl_reads_piped_stdin(model, tiny_dirs, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_the_real_model_recalls_a_fact_from_turn_one_through_a_kivi2_cache():
+def test_the_real_model_recalls_a_fact_from_turn_one_through_a_kivi2_cache(smollm2):
     from kivi_jax.evaluate import default_text
 
-    model = kivi_jax.load("smollm2")
+    model = smollm2
     background = default_text()[20000:21500]  # enough text that turn 1 runs past the 128-token residual
     chat = Chat(model, cache="kivi2", max_new_tokens=24)
     chat.send(f"My name is Ada and my favourite fruit is the mango. Here is some text to read:\n{background}\n"

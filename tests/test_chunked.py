@@ -76,8 +76,8 @@ def test_prefill_then_a_multi_token_forward_gives_the_right_logits(tiny_dirs):
     ref = hf_logits(model, tokens)
     for spec in ("full", "kivi2"):
         cache = make_cache(spec, params.config, 1, 128)
-        _, cache = forward(params, jnp.asarray(tokens[:, :8]), cache)
-        logits, cache = forward(params, jnp.asarray(tokens[:, 8:]), cache)
+        _, cache = step(params, jnp.asarray(tokens[:, :8]), cache)  # jitted: op-by-op dispatch costs more
+        logits, cache = step(params, jnp.asarray(tokens[:, 8:]), cache)
         assert int(cache.length[0]) == 12
         # inside the residual KIVI holds everything in full precision, so both caches equal transformers
         assert np.abs(np.asarray(logits) - ref[:, 8:]).max() <= TOL, spec
@@ -146,12 +146,18 @@ def test_chunk_attention_equals_a_dense_reference_of_what_is_stored(kivi, window
     k_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
     v_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
     positions = cache.length[:, None] + jnp.arange(tokens)[None, :]
-    for layer in range(CFG.num_layers):
-        ref = dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window)
-        for block in (16, 48, 512):
-            ours = attention.attend_kivi_xla(q, positions, cache.k, cache.v, layer, cache.k_ring[layer],
-                                             cache.v_ring[layer], cache.length, k_new, v_new, num_new, window, block)
-            real = np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None])  # padded queries: any finite answer
+    blocks = (16, 48, 512)
+
+    @jax.jit  # every layer and block in one compiled program (op-by-op dispatch of the same ops costs far more)
+    def refs_and_ours(cache, q, k_new, v_new, num_new):
+        return [(dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window),
+                 [attention.attend_kivi_xla(q, positions, cache.k, cache.v, layer, cache.k_ring[layer],
+                                            cache.v_ring[layer], cache.length, k_new, v_new, num_new, window, block)
+                  for block in blocks]) for layer in range(CFG.num_layers)]
+
+    real = np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None])  # padded queries: any finite answer
+    for layer, (ref, ours_by_block) in enumerate(refs_and_ours(cache, q, k_new, v_new, num_new)):
+        for block, ours in zip(blocks, ours_by_block):
             assert np.isfinite(np.asarray(ours)).all()
             assert np.abs(np.asarray(ours - ref))[real].max() <= 1e-5, (layer, block)
 

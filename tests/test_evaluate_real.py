@@ -2,14 +2,13 @@
 
 import pytest
 
-import kivi_jax
 from kivi_jax import evaluate
 
 pytestmark = pytest.mark.slow
 
 
-def test_flipped_axes_lose_clearly_more_than_kivi():
-    model = kivi_jax.load("smollm2", progress=False)
+def test_flipped_axes_lose_clearly_more_than_kivi(smollm2):
+    model = smollm2
     tokens = evaluate.tokenize(model.tokenizer, evaluate.default_text())
     windows = evaluate.make_windows(tokens, 512, 128, 1)
     results = evaluate.evaluate(model.params, windows, 512, ["kivi2", "k2v2-g32-r128-ktok-vchan"])

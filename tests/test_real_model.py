@@ -19,11 +19,6 @@ pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return kivi_jax.load("smollm2", progress=False)
-
-
 def test_default_model_shape(smollm2):
     cfg = smollm2.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
@@ -51,16 +46,21 @@ def test_chat_answer_names_paris(smollm2, cache):
     assert "Paris" in gen.text
 
 
-def test_cli_generate_json(smollm2):
-    out = subprocess.run(
-        [sys.executable, "-m", "kivi_jax.cli", "generate", "--prompt", QUESTION, "--chat", "--max-new-tokens", "16",
-         "--cache", "kivi2", "--json"],
-        capture_output=True, text=True, check=True,
-    )
-    result = json.loads(out.stdout)
+def test_cli_generate_json(smollm2, capfd):
+    """In this process (the compiled kivi2 steps of test_chat_answer_names_paris serve it: same prompt bucket and cache
+    size); capfd reads file descriptor 1, so anything else written to stdout would break the JSON as it would in a
+    pipe. The `python -m kivi_jax.cli` entry itself is checked with --help in a fresh interpreter."""
+    from kivi_jax import cli
+
+    assert cli.main(["generate", "--prompt", QUESTION, "--chat", "--max-new-tokens", "16", "--cache", "kivi2",
+                     "--json"]) == 0
+    result = json.loads(capfd.readouterr().out)
     assert "Paris" in result["text"]
     assert {"text", "token_ids", "prompt_tokens", "new_tokens", "seconds"} <= set(result)
     assert result["new_tokens"] == len(result["token_ids"]) and result["prompt_tokens"] > 10
+    entry = subprocess.run([sys.executable, "-m", "kivi_jax.cli", "generate", "--help"], capture_output=True,
+                           text=True, check=True)
+    assert "--max-new-tokens" in entry.stdout and "--json" in entry.stdout
 
 
 def test_gguf_tokenizer_needs_no_torch_and_follows_llama_cpp(smollm2):

@@ -386,11 +386,10 @@ def test_multi_chunk_prefill_matches_one_piece(model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_model_answers_through_the_server():
+def test_real_model_answers_through_the_server(smollm2):
     from kivi_jax.serve.http import ServerThread
     from kivi_jax.serve.server import build_server
 
-    smollm2 = kivi_jax.load("smollm2", progress=False)
     server = build_server(smollm2, "kivi2", slots=2, max_length=512, model_name="smollm2")
     with ServerThread(server.app) as thread:
         client = openai.OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0, timeout=600)
