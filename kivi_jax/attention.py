@@ -295,23 +295,31 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
 
 
 def dequantized(store) -> jax.Array:
-    """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's values (a pre-RoPE key block before rotating)."""
+    """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's values (a pre-RoPE key block before rotating),
+    scales and mins broadcast over their groups (never repeated into a tensor of their own)."""
     codes = unpack_codes(store)
-    axis = -2 if store.axis == "channel" else -1
-    scale = jnp.repeat(store.scale.astype(jnp.float32), store.group_size, axis=axis)
-    mn = jnp.repeat(store.mn.astype(jnp.float32), store.group_size, axis=axis)
-    return codes * scale + mn
+    batch, kv_heads, tokens, head_dim = codes.shape
+    g = store.group_size
+    scale, mn = store.scale.astype(jnp.float32), store.mn.astype(jnp.float32)
+    if store.axis == "channel":  # scale, mn [batch, kv_heads, tokens // G, head_dim]
+        grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
+        return (grouped * scale[:, :, :, None, :] + mn[:, :, :, None, :]).reshape(codes.shape)
+    grouped = codes.reshape(batch, kv_heads, tokens, head_dim // g, g)  # scale, mn [..., tokens, head_dim // G]
+    return (grouped * scale[..., None] + mn[..., None]).reshape(codes.shape)
 
 
 def rotated(keys: jax.Array, pos: jax.Array, inv_freq: jax.Array | None) -> jax.Array:
     """Stored keys `[batch, kv_heads, tokens, head_dim]` at positions `pos [batch or 1, tokens]` after RoPE (a
-    pre-RoPE store, `inv_freq` given), or as they are (`inv_freq` None: stored after RoPE)."""
+    pre-RoPE store, `inv_freq` given), or as they are (`inv_freq` None: stored after RoPE). The same arithmetic as
+    `models.llama.apply_rope` (half-split layout), laid out for stored keys: no transposes, and one cos/sin table for
+    a block whose positions do not depend on the sequence."""
     if inv_freq is None:
         return keys
-    from kivi_jax.models.llama import apply_rope
-
-    pos = jnp.broadcast_to(jnp.maximum(pos, 0), (keys.shape[0], keys.shape[2]))
-    return jnp.swapaxes(apply_rope(jnp.swapaxes(keys, 1, 2), pos, inv_freq), 1, 2)
+    angles = jnp.maximum(pos, 0).astype(jnp.float32)[:, None, :, None] * inv_freq  # [batch or 1, 1, tokens, D / 2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    half = keys.shape[-1] // 2
+    x1, x2 = keys[..., :half], keys[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def sink_tokens(state: Softmax, rows: Rows, k_sink: jax.Array, v_sink: jax.Array, length: jax.Array,
