@@ -5,6 +5,8 @@ dequantizes (then rotates, for pre-RoPE keys), for prefill, chunks and decode, r
 to one-token appends; the bytes equal the formula; rotations leave full-precision outputs unchanged.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +33,25 @@ CONFIGS = {  # each option alone and together, with sinks below, inside and beyo
 }
 
 
+@functools.partial(jax.jit, static_argnames=("window",))
+def attend_chunk(cache: KIVICache, q, k, v, num_new, window=None):
+    """One chunk through `attend` + `commit` (what the model does), every layer's answer beside the dense reference
+    of what the cache held before it; compiled once per configuration."""
+    positions = cache.length[:, None] + jnp.arange(q.shape[1])[None, :]
+    outs, refs, updates = [], [], []
+    for layer in range(CFG.num_layers):
+        out, up = cache.attend(layer, q, k[layer], v[layer], positions, ROPE, num_new, window)
+        outs.append(out)
+        refs.append(dense_chunk_reference(q, cache, layer, ROPE(k[layer], positions), v[layer], num_new, window,
+                                          ROPE.inv_freq))
+        updates.append(up)
+    return jnp.stack(outs), jnp.stack(refs), cache.commit(jax.tree_util.tree_map(lambda *x: jnp.stack(x), *updates),
+                                                          num_new)
+
+
 def feed_through_attend(cache: KIVICache, chunks, window=None, seed=0, check=True):
-    """Feeds random q/k/v chunk by chunk through `attend` + `commit` (what the model does), checking every layer's
-    answer against the dense reference of what the cache held before the chunk. `chunks` lists per-call `num_new`."""
+    """Feeds random q/k/v chunk by chunk (`chunks` lists per-call `num_new`, every call as wide as the widest),
+    checking every layer's answer against the dense reference of what the cache held before the chunk."""
     rng = np.random.RandomState(seed)
     width = max(max(c) for c in chunks)
     raw_keys = []
@@ -45,18 +63,11 @@ def feed_through_attend(cache: KIVICache, chunks, window=None, seed=0, check=Tru
         k[..., 3] *= 20.0  # an outlier channel, like real keys
         k = jnp.asarray(k)
         v = jnp.asarray(rng.randn(CFG.num_layers, batch, width, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
-        positions = cache.length[:, None] + jnp.arange(width)[None, :]
-        updates = []
-        for layer in range(CFG.num_layers):
-            out, up = cache.attend(layer, q, k[layer], v[layer], positions, ROPE, num_new, window)
-            if check:
-                ref = dense_chunk_reference(q, cache, layer, ROPE(k[layer], positions), v[layer], num_new, window,
-                                            ROPE.inv_freq)
-                real = np.asarray(jnp.arange(width)[None, :] < num_new[:, None])
-                assert np.isfinite(np.asarray(out)).all()
-                assert np.abs(np.asarray(out - ref))[real].max() <= 1e-5, (layer, counts)
-            updates.append(up)
-        cache = cache.commit(jax.tree_util.tree_map(lambda *x: jnp.stack(x), *updates), num_new)
+        outs, refs, cache = attend_chunk(cache, q, k, v, num_new, window)
+        if check:
+            real = np.asarray(jnp.arange(width)[None, :] < num_new[:, None])
+            assert np.isfinite(np.asarray(outs)).all()
+            assert np.abs(np.asarray(outs - refs))[:, real].max() <= 1e-5, counts
         raw_keys.append((k, num_new))
     return cache, raw_keys
 

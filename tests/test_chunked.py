@@ -119,19 +119,18 @@ def dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window=None, i
     stored = k.shape[2]
     k = jnp.concatenate([k, jnp.moveaxis(k_new, 1, 2).astype(jnp.float32)], axis=2)
     v = jnp.concatenate([v, jnp.moveaxis(v_new, 1, 2).astype(jnp.float32)], axis=2)
-    idx = jnp.arange(stored + tokens)[None, :]
-    length = cache.length[:, None]
-    pos = jnp.where(idx < stored, idx, length + idx - stored)  # [batch, stored + T]
+    idx = jnp.arange(stored + tokens)[None, None, :]  # [1, 1, stored + T]
+    i = jnp.arange(tokens)[None, :, None]  # [1, T, 1]: the query
+    length = cache.length[:, None, None]
+    pos = jnp.where(idx < stored, idx, length + idx - stored)  # [batch, 1, stored + T]
+    valid = jnp.where(idx < stored, idx < length, (idx - stored <= i) & (idx - stored < num_new[:, None, None]))
+    if window is not None:
+        valid &= length + i - pos < window  # [batch, T, stored + T]
     qg = q.astype(jnp.float32).reshape(batch, tokens, k.shape[1], -1, d) / jnp.sqrt(jnp.float32(d))
-    outs = []
-    for i in range(tokens):
-        valid = jnp.where(idx < stored, idx < length, (idx - stored <= i) & (idx - stored < num_new[:, None]))
-        if window is not None:
-            valid &= length + i - pos < window
-        scores = jnp.einsum("bhrd,bhtd->bhrt", qg[:, i], k, precision="highest")
-        p = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -jnp.inf), axis=-1)
-        outs.append(jnp.einsum("bhrt,bhtd->bhrd", p, v, precision="highest").reshape(batch, 1, q_heads, d))
-    return jnp.concatenate(outs, axis=1)
+    scores = jnp.einsum("bqhrd,bhtd->bhrqt", qg, k, precision="highest")
+    p = jax.nn.softmax(jnp.where(valid[:, None, None], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhrqt,bhtd->bqhrd", p, v, precision="highest")
+    return out.reshape(batch, tokens, q_heads, d)
 
 
 @pytest.mark.parametrize("kivi, window", [(KIVI, None), (KIVIConfig(4, 2, 16, R), 23),
