@@ -363,9 +363,16 @@ inline void unpack_row3(const uint8_t* row, vf* out) {
     }
   } else {  // W / WB1 bits of the same WB1 bytes a vector (AVX-512, D = 64: two bits of 8 bytes)
     static_assert(W % WB1 == 0, "the 1-bit plane's width must divide the vector width");
+#if defined(__AVX512F__)
+    static_assert(WB1 == 8, "with 16 lanes only head_dim 64 has a narrower 1-bit plane");
+    uint64_t eight;
+    std::memcpy(&eight, hi, 8);  // the 8 bytes twice in one 16-byte register, widened (no store-to-load round trip)
+    const vi bytes = (vi)_mm512_cvtepu8_epi32(_mm_set1_epi64x((long long)eight));
+#else
     uint8_t buf[W];
     for (int j = 0; j < W; j += WB1) std::memcpy(buf + j, hi, WB1);
     const vi bytes = widen(buf);
+#endif
     const vi slab = lane_iota() / WB1;
 #pragma GCC unroll 8
     for (int k = 0; k < D / W; ++k) {
