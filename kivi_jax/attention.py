@@ -496,7 +496,7 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
     `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel reads them and the stores in place and masks
     the sliding window. Configurations it does not serve (`kivi_decode.unsupported`: the axis ablations, 8-bit codes,
-    other group sizes or head dims; for the native kernel also sinks and pre-RoPE keys) run the XLA path.
+    other group sizes or head dims) run the XLA path; both kernels read sinks and pre-RoPE keys.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
@@ -517,19 +517,13 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     if use_native(impl):
         from kivi_jax import native
 
-        reason = beyond_kivi_reason(sinks, inv_freq) or native.unsupported_kivi(
-            q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2])
+        reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2],
+                                         sinks)
         if reason is None:
-            return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window)
+            return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window,
+                                      sinks, inv_freq)
         fall_back(impl, reason)
     k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
     return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=sinks,
                            inv_freq=inv_freq)
 
-
-def beyond_kivi_reason(sinks, inv_freq) -> str | None:
-    """Why the native kernel cannot serve a cache with sink tokens or pre-RoPE keys (None when neither is on; the
-    Pallas kernel reads both)."""
-    if sinks is not None or inv_freq is not None:
-        return "the native kernel does not read sink tokens or pre-RoPE keys"
-    return None

@@ -30,7 +30,7 @@ TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": 
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")
-BUILD_TIMEOUT_S = 300
+BUILD_TIMEOUT_S = 900  # 72 kernel instantiations: about 1 CPU-minute, several on a loaded 2-core machine
 
 
 class NativeBuildError(RuntimeError):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from kivi_jax.native import build
 
-KERNEL_BITS = (2, 4)
+KERNEL_BITS = (2, 3, 4)
 KERNEL_KEY_GROUPS = (32, 64, 128)
 HEAD_DIMS = (64, 128)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -21,8 +21,9 @@ SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 FULL_AUTO = True  # it did on the 2-core machine, 2026-12-01: 0.31-0.75x the XLA path's step
 
 
-def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, residual: int) -> str | None:
-    """Why the native kernel cannot serve this KIVI cache, or None when it can."""
+def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, residual: int, sinks=None) -> str | None:
+    """Why the native kernel cannot serve this KIVI cache (sinks: `(k_sink, v_sink)` or None), or None when it can.
+    Pre-RoPE keys need nothing more (the kernel rotates any head_dim it serves)."""
     if (k_store.axis, v_store.axis) != ("channel", "token"):
         return f"only KIVI's axes (keys per-channel, values per-token) have a kernel, not {k_store.axis}/{v_store.axis}"
     if k_store.bits not in KERNEL_BITS or v_store.bits not in KERNEL_BITS:
@@ -39,6 +40,8 @@ def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, resid
         return f"the kernel computes in float32, not {jnp.dtype(q_dtype).name}"
     if k_store.scale.dtype not in SCALE_DTYPES or k_store.scale.dtype != v_store.scale.dtype:
         return f"scales in {k_store.scale.dtype} / {v_store.scale.dtype} are not served"
+    if sinks is not None and jnp.dtype(sinks[0].dtype) != jnp.float32:
+        return f"the kernel reads float32 sinks, not {jnp.dtype(sinks[0].dtype).name}"
     return None
 
 
@@ -63,23 +66,33 @@ def _window(window) -> int:
     return 0 if window is None else int(window)
 
 
-def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window) -> jax.Array:
+def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=None,
+                inv_freq=None) -> jax.Array:
     """Decode attention over one layer of a KIVI cache with the native kernel.
 
-    q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size) and rings
-    `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or one layer each with `layer=None`; length
-    `[batch]`; k_new, v_new `[batch, 1, kv_heads, head_dim]` at position length. Returns q's shape, float32.
+    q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size), rings and
+    `sinks = (k_sink, v_sink)` (None: no sinks) `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or
+    one layer each with `layer=None`; length `[batch]`; k_new (after RoPE), v_new `[batch, 1, kv_heads, head_dim]`
+    at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring, sinks).
+    Returns q's shape, float32.
     """
     if build.load() is None:
         raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
     arrays = [_stacked(x, layer) for x in (k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale,
                                            v_store.mn, k_ring, v_ring)]
+    head_dim = q.shape[-1]
+    if sinks is None or sinks[0].shape[-2] == 0:  # [1, 1, 1, 0, D]: S = 0, nothing read
+        k_sink = v_sink = jnp.zeros((1, 1, 1, 0, head_dim), jnp.float32)
+    else:
+        k_sink, v_sink = (_stacked(s, layer).astype(jnp.float32) for s in sinks)
+    freqs = jnp.zeros((head_dim // 2,), jnp.float32) if inv_freq is None else inv_freq.astype(jnp.float32)
     call = jax.ffi.ffi_call("kivi_jax_kivi_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32), *arrays[:6], arrays[6].astype(jnp.float32), arrays[7].astype(jnp.float32),
         _layer_operand(layer), length.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+        k_sink, v_sink, freqs.reshape(head_dim // 2),
         k_bits=int(k_store.bits), v_bits=int(v_store.bits), k_group=int(k_store.group_size),
-        v_group=int(v_store.group_size), window=_window(window),
+        v_group=int(v_store.group_size), window=_window(window), rope=int(inv_freq is not None),
     )
 
 

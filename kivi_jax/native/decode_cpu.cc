@@ -317,6 +317,9 @@ struct KiviArgs {
   const uint8_t *kc, *vc;
   const void *ks, *km, *vs, *vm;
   const float *kr, *vr;
+  const float *k_sink, *v_sink;  // [L, B, H, S, D]: tokens [0, S) in full precision (S = 0: none)
+  int64_t S;
+  const float* rope;  // pre-RoPE keys: [tokens, D] per position, cos of the D/2 angles then their sin; else null
   const int32_t* length;
   int64_t splits;
 
@@ -324,34 +327,111 @@ struct KiviArgs {
   int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
 };
 
-// Unpacks one planar-packed row of D channels (bits each) into D/W float vectors, channel order. `Scaled`: slab s is
-// masked in place, not shifted, so its codes come out multiplied by 2^(BITS*s) (exact; callers fold 2^-(BITS*s) into
-// the query scales or the accumulator), which saves a shift per vector.
-template <int D, int BITS, bool Scaled = true>
-inline void unpack_row(const uint8_t* row, vf* out) {
-  constexpr int P = 8 / BITS, WB = D / P;  // codes a byte, bytes a row (the width of one slab)
-  constexpr int32_t MASK = (1 << BITS) - 1;
+// Bytes a row of D codes of BITS bits packs into (3 bits: a 2-bit plane of D/4 bytes, then a 1-bit plane of D/8).
+template <int D, int BITS>
+constexpr int row_bytes() { return D * BITS / 8; }
+
+// Lane indices 0, 1, ..., W - 1.
+inline vi lane_iota() {
+  vi v;
+  for (int i = 0; i < W; ++i) v[i] = i;
+  return v;
+}
+
+// A 3-bit row (quant.PLANES: the low two bits as 2-bit planar codes, D/4 bytes, then the high bit as 1-bit planar
+// codes, D/8 bytes; channel c's high bit is bit c / (D/8) of byte c % (D/8)) -> D/W float vectors of exact codes.
+template <int D>
+inline void unpack_row3(const uint8_t* row, vf* out) {
+  constexpr int WB2 = D / 4, WB1 = D / 8;
+  const uint8_t* hi = row + WB2;
+  vi low[D / W];
 #pragma GCC unroll 8
-  for (int c = 0; c < WB / W; ++c) {
+  for (int c = 0; c < WB2 / W; ++c) {
     vi bytes = widen(row + c * W);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) low[s * (WB2 / W) + c] = (bytes >> (2 * s)) & 3;
+  }
+  if constexpr (WB1 % W == 0) {  // a vector's channels share one bit of W consecutive bytes
 #pragma GCC unroll 8
-    for (int s = 0; s < P; ++s) {
-      vi code = Scaled ? (bytes & (MASK << (BITS * s))) : ((bytes >> (BITS * s)) & MASK);
-      out[s * (WB / W) + c] = __builtin_convertvector(code, vf);
+    for (int c = 0; c < WB1 / W; ++c) {
+      vi bytes = widen(hi + c * W);
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const int k = s * (WB1 / W) + c;
+        out[k] = __builtin_convertvector(low[k] | (((bytes >> s) & 1) << 2), vf);
+      }
+    }
+  } else {  // W / WB1 bits of the same WB1 bytes a vector (AVX-512, D = 64: two bits of 8 bytes)
+    static_assert(W % WB1 == 0, "the 1-bit plane's width must divide the vector width");
+#if defined(__AVX512F__)
+    static_assert(WB1 == 8, "with 16 lanes only head_dim 64 has a narrower 1-bit plane");
+    uint64_t eight;
+    std::memcpy(&eight, hi, 8);  // the 8 bytes twice in one 16-byte register, widened (no store-to-load round trip)
+    const vi bytes = (vi)_mm512_cvtepu8_epi32(_mm_set1_epi64x((long long)eight));
+#else
+    uint8_t buf[W];
+    for (int j = 0; j < W; j += WB1) std::memcpy(buf + j, hi, WB1);
+    const vi bytes = widen(buf);
+#endif
+    const vi slab = lane_iota() / WB1;
+#pragma GCC unroll 8
+    for (int k = 0; k < D / W; ++k) {
+      const vi shift = slab + (k * W) / WB1;
+      out[k] = __builtin_convertvector(low[k] | (((bytes >> shift) & 1) << 2), vf);
     }
   }
 }
 
-// 2^-(BITS * slab) of each vector of a row unpacked with Scaled = true.
+// Unpacks one planar-packed row of D channels (bits each) into D/W float vectors, channel order. `Scaled`: slab s is
+// masked in place, not shifted, so its codes come out multiplied by 2^(BITS*s) (exact; callers fold 2^-(BITS*s) into
+// the query scales or the accumulator), which saves a shift per vector. 3-bit rows always come out as exact codes.
+template <int D, int BITS, bool Scaled = true>
+inline void unpack_row(const uint8_t* row, vf* out) {
+  if constexpr (BITS == 3) {
+    unpack_row3<D>(row, out);
+  } else {
+    constexpr int P = 8 / BITS, WB = D / P;  // codes a byte, bytes a row (the width of one slab)
+    constexpr int32_t MASK = (1 << BITS) - 1;
+#pragma GCC unroll 8
+    for (int c = 0; c < WB / W; ++c) {
+      vi bytes = widen(row + c * W);
+#pragma GCC unroll 8
+      for (int s = 0; s < P; ++s) {
+        vi code = Scaled ? (bytes & (MASK << (BITS * s))) : ((bytes >> (BITS * s)) & MASK);
+        out[s * (WB / W) + c] = __builtin_convertvector(code, vf);
+      }
+    }
+  }
+}
+
+// 2^-(BITS * slab) of each vector of a row unpacked with Scaled = true (1 for 3-bit rows).
 template <int D, int BITS>
 inline float slab_unscale(int k) {
-  constexpr int P = 8 / BITS, WB = D / P;
-  return 1.0f / (float)(1 << (BITS * ((k * W) / WB)));
+  if constexpr (BITS == 3) {
+    return 1.0f;
+  } else {
+    constexpr int P = 8 / BITS, WB = D / P;
+    return 1.0f / (float)(1 << (BITS * ((k * W) / WB)));
+  }
+}
+
+// RoPE (half-split layout) of one key row of D/W vectors, in place, with the token's table row `cs` (cos of the D/2
+// angles, then their sin): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+template <int D>
+inline void rotate_row(vf* x, const float* cs) {
+  constexpr int H2 = D / (2 * W);
+#pragma GCC unroll 4
+  for (int k = 0; k < H2; ++k) {
+    const vf c = vload(cs + k * W), s = vload(cs + D / 2 + k * W);
+    const vf x1 = x[k], x2 = x[k + H2];
+    x[k] = x1 * c - x2 * s;
+    x[k + H2] = x2 * c + x1 * s;
+  }
 }
 
 template <int NR, int D, int KB, int VB>
 void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, float* part) {
-  constexpr int PK = 8 / KB, PV = 8 / VB;
+  constexpr int RBK = row_bytes<D, KB>(), RBV = row_bytes<D, VB>();
   const int64_t hi = a.head_index(b, h);
   const int64_t length = a.length[b];
   const int64_t R = a.R, gk = a.gk, gv = a.gv;
@@ -360,8 +440,8 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   const int64_t k_end = (length / R) * R;                     // keys quantized below this
   const int nr = std::min<int>(NR, a.n_rep - r0);
 
-  const uint8_t* kc = a.kc + hi * a.T * (D / PK);
-  const uint8_t* vc = a.vc + hi * a.T * (D / PV);
+  const uint8_t* kc = a.kc + hi * a.T * RBK;
+  const uint8_t* vc = a.vc + hi * a.T * RBV;
   const int64_t ks_off = hi * (a.T / gk) * D;  // key scales [T / G, D]
   const int64_t vs_off = hi * a.T * (D / gv);  // value scales [T, D / Gv]
 
@@ -381,8 +461,9 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   for (int k = 0; k < D / W; ++k) vgroup[k] = (k * W) / gv;
   const int ngv = D / gv;
 
-  // Main segment: this split's share of the key groups covering [lo, main_end).
-  const int64_t first = lo / gk, last = (main_end + gk - 1) / gk;
+  // Main segment: this split's share of the key groups covering [max(lo, S), main_end) (the sinks hold [0, S)).
+  const int64_t lo_q = std::max<int64_t>(lo, a.S);
+  const int64_t first = lo_q / gk, last = (main_end + gk - 1) / gk;
   const int64_t n_groups = std::max<int64_t>(last - first, 0);
   const int64_t per = (n_groups + a.splits - 1) / a.splits;
   const int64_t g_begin = first + split * per, g_end = std::min(first + (split + 1) * per, last);
@@ -398,34 +479,62 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   for (int r = 0; r < NR; ++r)  // acc holds slab-scaled sums (codes unpacked as c * 2^(VB * slab)) until the ring
     for (int k = 0; k < D / W; ++k) st.acc[r][k] = vf{};
   for (int64_t g = g_begin; g < g_end; ++g) {
-    const int64_t t_begin = std::max(g * gk, lo), t_end = std::min((g + 1) * gk, main_end);
+    const int64_t t_begin = std::max(g * gk, lo_q), t_end = std::min((g + 1) * gk, main_end);
     const int n = (int)(t_end - t_begin);
     if (n <= 0) continue;
     load_scales(a.ks, ks_off + g * D, D, a.st, kscale);
     load_scales(a.km, ks_off + g * D, D, a.st, kmin);
-    for (int r = 0; r < NR; ++r) {
-      vf bsum{};
+    if (a.rope) {  // pre-RoPE keys: dequantize each row, rotate it by its position, dot (no folding into q)
+      vf kse[D / W], kmn[D / W];
       for (int k = 0; k < D / W; ++k) {
-        vf qv = vload(q[r] + k * W);
-        vstore(qs[r] + k * W, qv * vload(kscale + k * W) * kunscale[k]);
-        bsum += qv * vload(kmin + k * W);
+        kse[k] = vload(kscale + k * W) * kunscale[k];
+        kmn[k] = vload(kmin + k * W);
       }
-      bias[r] = hsum(bsum);
-    }
-    for (int i0 = 0; i0 < n; i0 += W) {
-      const int m = std::min(W, n - i0);
-      for (int i = 0; i < m; ++i) {
-        unpack_row<D, KB>(kc + (t_begin + i0 + i) * (D / PK), codes);
-        for (int r = 0; r < NR; ++r) {
-          vf acc = codes[0] * vload(qs[r]);
+      for (int i0 = 0; i0 < n; i0 += W) {
+        const int m = std::min(W, n - i0);
+        for (int i = 0; i < m; ++i) {
+          const int64_t t = t_begin + i0 + i;
+          unpack_row<D, KB>(kc + t * RBK, codes);
 #pragma GCC unroll 8
-          for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
-          partial[r][i] = acc;
+          for (int k = 0; k < D / W; ++k) codes[k] = codes[k] * kse[k] + kmn[k];
+          rotate_row<D>(codes, a.rope + t * D);
+          for (int r = 0; r < NR; ++r) {
+            vf acc = codes[0] * vload(q[r]);
+#pragma GCC unroll 8
+            for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(q[r] + k * W);
+            partial[r][i] = acc;
+          }
+        }
+        for (int r = 0; r < NR; ++r) {
+          for (int i = m; i < W; ++i) partial[r][i] = vf{};
+          vstore(scores[r] + i0, reduce16(partial[r]));
         }
       }
+    } else {
       for (int r = 0; r < NR; ++r) {
-        for (int i = m; i < W; ++i) partial[r][i] = vf{};
-        vstore(scores[r] + i0, reduce16(partial[r]) + bias[r]);
+        vf bsum{};
+        for (int k = 0; k < D / W; ++k) {
+          vf qv = vload(q[r] + k * W);
+          vstore(qs[r] + k * W, qv * vload(kscale + k * W) * kunscale[k]);
+          bsum += qv * vload(kmin + k * W);
+        }
+        bias[r] = hsum(bsum);
+      }
+      for (int i0 = 0; i0 < n; i0 += W) {
+        const int m = std::min(W, n - i0);
+        for (int i = 0; i < m; ++i) {
+          unpack_row<D, KB>(kc + (t_begin + i0 + i) * RBK, codes);
+          for (int r = 0; r < NR; ++r) {
+            vf acc = codes[0] * vload(qs[r]);
+#pragma GCC unroll 8
+            for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
+            partial[r][i] = acc;
+          }
+        }
+        for (int r = 0; r < NR; ++r) {
+          for (int i = m; i < W; ++i) partial[r][i] = vf{};
+          vstore(scores[r] + i0, reduce16(partial[r]) + bias[r]);
+        }
       }
     }
     st.update(scores, p, n);
@@ -453,7 +562,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         mins[r][j] = hsum(msum);
       }
     for (int i = 0; i < n; ++i) {
-      unpack_row<D, VB>(vc + (t_begin + i) * (D / PV), codes);
+      unpack_row<D, VB>(vc + (t_begin + i) * RBV, codes);
       for (int r = 0; r < NR; ++r) {
         const float* pr = ps[r] + i;
 #pragma GCC unroll 8
@@ -473,7 +582,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     const float* vr = a.vr + hi * R * D;
     const int64_t flushed_row = std::max<int64_t>(length / R - 1, 0) * R;
     const int64_t last_tok = length - 1;
-    const int64_t seg_lo = std::max(main_end, lo);
+    const int64_t seg_lo = std::max(main_end, lo_q);
     for (int64_t c0 = 0; c0 < R; c0 += MAX_CHUNK) {
       const int cn = (int)std::min<int64_t>(MAX_CHUNK, R - c0);
       int slots[MAX_CHUNK];
@@ -492,10 +601,16 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
           const int64_t row = flushed_row + slot;
           load_scales(a.ks, ks_off + (row / gk) * D, D, a.st, kscale);
           load_scales(a.km, ks_off + (row / gk) * D, D, a.st, kmin);
-          unpack_row<D, KB, false>(kc + row * (D / PK), codes);
+          unpack_row<D, KB, false>(kc + row * RBK, codes);
           for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
         } else {
           std::memcpy(key, kr + slot * D, D * sizeof(float));
+        }
+        if (a.rope) {  // a pre-RoPE key (ring or flushed block), rotated by its position
+          vf x[D / W];
+          for (int k = 0; k < D / W; ++k) x[k] = vload(key + k * W);
+          rotate_row<D>(x, a.rope + tok * D);
+          for (int k = 0; k < D / W; ++k) vstore(key + k * W, x[k]);
         }
         for (int r = 0; r < NR; ++r) {
           vf acc{};
@@ -608,18 +723,58 @@ int64_t choose_splits(int64_t B, int64_t H, int64_t blocks, int64_t workers, int
   return std::max<int64_t>(1, std::min(want, cap));
 }
 
-void combine(const Layout& lay, const float* parts, const float* q, const float* kn, const float* vn, float* out) {
+// The sink tokens of one layer, attended in the combine (a few tokens a sequence, in full precision).
+struct Sinks {
+  const float *k = nullptr, *v = nullptr;  // [L, B, H, S, D] (keys before RoPE when `rope`)
+  int64_t S = 0, layer = 0;
+  const int32_t* length = nullptr;
+  int64_t window = 0;
+  const float* rope = nullptr;  // [tokens, D] cos then sin per position, or null
+};
+
+void combine(const Layout& lay, const float* parts, const float* q, const float* kn, const float* vn, float* out,
+             const Sinks& sk = Sinks()) {
   const int64_t D = lay.D;
+  std::vector<float> sink_keys(sk.S * D), sink_scores(sk.S);
   for (int64_t b = 0; b < lay.B; ++b)
     for (int64_t h = 0; h < lay.H; ++h) {
       const float* k = kn + (b * lay.H + h) * D;
       const float* v = vn + (b * lay.H + h) * D;
+      // Sinks: tokens [lo, min(S, length)) (lo: the sliding window's first visible token), keys rotated if pre-RoPE.
+      int64_t s_lo = 0, s_hi = 0;
+      const float* sv = nullptr;
+      if (sk.S > 0) {
+        const int64_t length = sk.length[b];
+        s_lo = sk.window > 0 ? std::max<int64_t>(length - sk.window + 1, 0) : 0;
+        s_hi = std::min<int64_t>(sk.S, length);
+        const int64_t off = ((sk.layer * lay.B + b) * lay.H + h) * sk.S * D;
+        sv = sk.v + off;
+        for (int64_t j = s_lo; j < s_hi; ++j) {
+          const float* kj = sk.k + off + j * D;
+          float* o = sink_keys.data() + j * D;
+          if (sk.rope) {
+            const float* cs = sk.rope + j * D;
+            for (int64_t i = 0; i < D / 2; ++i) {
+              o[i] = kj[i] * cs[i] - kj[i + D / 2] * cs[D / 2 + i];
+              o[i + D / 2] = kj[i + D / 2] * cs[i] + kj[i] * cs[D / 2 + i];
+            }
+          } else {
+            std::memcpy(o, kj, D * sizeof(float));
+          }
+        }
+      }
       for (int64_t r = 0; r < lay.n_rep; ++r) {
         const float* qr = q + ((b * lay.H + h) * lay.n_rep + r) * D;
         float s_new = 0.0f;
         for (int64_t d = 0; d < D; ++d) s_new += qr[d] * k[d];
         float m = s_new;
         for (int64_t s = 0; s < lay.splits; ++s) m = std::max(m, parts[lay.part_offset(b, h, s, r)]);
+        for (int64_t j = s_lo; j < s_hi; ++j) {
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * sink_keys[j * D + d];
+          sink_scores[j] = dot;
+          m = std::max(m, dot);
+        }
         float w_new = std::exp(s_new - m), l = w_new;
         float* o = out + ((b * lay.H + h) * lay.n_rep + r) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = w_new * v[d];
@@ -630,9 +785,65 @@ void combine(const Layout& lay, const float* parts, const float* q, const float*
           l += w * pt[1];
           for (int64_t d = 0; d < D; ++d) o[d] += w * pt[2 + d];
         }
+        for (int64_t j = s_lo; j < s_hi; ++j) {
+          float w = std::exp(sink_scores[j] - m);
+          l += w;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * sv[j * D + d];
+        }
         for (int64_t d = 0; d < D; ++d) o[d] /= l;
       }
     }
+}
+
+// RoPE tables: row t holds cos(a_ti) for the D/2 angles a_ti = float32(t * inv_freq_i) (rounded like jnp), then
+// sin(a_ti), computed in double and rounded to float32. They depend only on inv_freq and t, so one table serves
+// every layer, head and step: kept (a few, most recent first) and grown in blocks of ROPE_BLOCK tokens when a call
+// needs more positions. Readers hold a shared_ptr to an immutable table.
+struct RopeTable {
+  std::vector<float> inv_freq;
+  int64_t tokens = 0;
+  std::vector<float> data;  // [tokens, D]
+};
+constexpr int64_t ROPE_BLOCK = 1024;
+constexpr size_t ROPE_KEEP = 4;
+std::mutex rope_mu;
+std::vector<std::shared_ptr<const RopeTable>> rope_tables;
+
+std::shared_ptr<const RopeTable> rope_table(const float* inv_freq, int64_t D, int64_t tokens) {
+  const int64_t half = D / 2;
+  std::lock_guard<std::mutex> lock(rope_mu);
+  std::shared_ptr<const RopeTable> old;
+  for (size_t i = 0; i < rope_tables.size(); ++i) {
+    const auto& t = rope_tables[i];
+    if ((int64_t)t->inv_freq.size() == half && std::memcmp(t->inv_freq.data(), inv_freq, half * sizeof(float)) == 0) {
+      old = t;
+      rope_tables.erase(rope_tables.begin() + i);
+      break;
+    }
+  }
+  if (!old || old->tokens < tokens) {
+    auto fresh = std::make_shared<RopeTable>();
+    fresh->inv_freq.assign(inv_freq, inv_freq + half);
+    fresh->tokens = std::max<int64_t>((tokens + ROPE_BLOCK - 1) / ROPE_BLOCK, 1) * ROPE_BLOCK;
+    fresh->data.resize(fresh->tokens * D);
+    int64_t start = 0;
+    if (old) {
+      std::memcpy(fresh->data.data(), old->data.data(), old->data.size() * sizeof(float));
+      start = old->tokens;
+    }
+    for (int64_t t = start; t < fresh->tokens; ++t) {
+      float* row = fresh->data.data() + t * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = (float)t * inv_freq[i];
+        row[i] = (float)std::cos((double)angle);
+        row[half + i] = (float)std::sin((double)angle);
+      }
+    }
+    old = fresh;
+  }
+  rope_tables.insert(rope_tables.begin(), old);
+  if (rope_tables.size() > ROPE_KEEP) rope_tables.pop_back();
+  return old;
 }
 
 // Query rows scaled by 1/sqrt(D), [B, Hq, D].
@@ -663,8 +874,13 @@ using FullFn = void (*)(const FullArgs&, int64_t, int64_t, int, int64_t, float*)
 template <int NR, int D>
 KiviFn kivi_pick_bits(int kb, int vb) {
   if (kb == 2 && vb == 2) return kivi_item<NR, D, 2, 2>;
+  if (kb == 2 && vb == 3) return kivi_item<NR, D, 2, 3>;
   if (kb == 2 && vb == 4) return kivi_item<NR, D, 2, 4>;
+  if (kb == 3 && vb == 2) return kivi_item<NR, D, 3, 2>;
+  if (kb == 3 && vb == 3) return kivi_item<NR, D, 3, 3>;
+  if (kb == 3 && vb == 4) return kivi_item<NR, D, 3, 4>;
   if (kb == 4 && vb == 2) return kivi_item<NR, D, 4, 2>;
+  if (kb == 4 && vb == 3) return kivi_item<NR, D, 4, 3>;
   if (kb == 4 && vb == 4) return kivi_item<NR, D, 4, 4>;
   return nullptr;
 }
@@ -705,11 +921,12 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::AnyBuffer km, ffi::Buffer<ffi::U8> vc, ffi::AnyBuffer vs, ffi::AnyBuffer vm,
                           ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
+                          ffi::Buffer<ffi::F32> k_sink, ffi::Buffer<ffi::F32> v_sink, ffi::Buffer<ffi::F32> inv_freq,
                           ffi::ResultBuffer<ffi::F32> out, int64_t k_bits, int64_t v_bits, int64_t k_group,
-                          int64_t v_group, int64_t window) {
-  auto qd = q.dimensions(), kcd = kc.dimensions(), krd = kr.dimensions();
-  if (qd.size() != 4 || kcd.size() != 5 || krd.size() != 5)
-    return ffi::Error::InvalidArgument("kivi_decode: q must be [B, 1, Hq, D], stores and rings [L, B, H, ., .]");
+                          int64_t v_group, int64_t window, int64_t rope) {
+  auto qd = q.dimensions(), kcd = kc.dimensions(), krd = kr.dimensions(), skd = k_sink.dimensions();
+  if (qd.size() != 4 || kcd.size() != 5 || krd.size() != 5 || skd.size() != 5)
+    return ffi::Error::InvalidArgument("kivi_decode: q must be [B, 1, Hq, D], stores, rings, sinks [L, B, H, ., .]");
   KiviArgs a;
   a.L = kcd[0];
   a.B = kcd[1];
@@ -744,12 +961,25 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.vm = vm.untyped_data();
   a.kr = kr.typed_data();
   a.vr = vr.typed_data();
+  a.S = skd[3];
+  if (a.S > 0 && (skd[0] != a.L || skd[1] != a.B || skd[2] != a.H || skd[4] != qd[3] ||
+                  v_sink.dimensions().size() != 5 || v_sink.element_count() != k_sink.element_count()))
+    return ffi::Error::InvalidArgument("kivi_decode: sinks must be [L, B, H, S, D] like the stores");
+  a.k_sink = a.S > 0 ? k_sink.typed_data() : nullptr;
+  a.v_sink = a.S > 0 ? v_sink.typed_data() : nullptr;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
+  std::shared_ptr<const RopeTable> table;
+  if (rope) {
+    if ((int64_t)inv_freq.element_count() * 2 != a.D)
+      return ffi::Error::InvalidArgument("kivi_decode: inv_freq must be [head_dim / 2]");
+    table = rope_table(inv_freq.typed_data(), a.D, max_len + 1);
+  }
+  a.rope = table ? table->data.data() : nullptr;
   std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
   a.q = qs.data();
 
   Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
   lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / a.gk, 512 / a.gk);
   a.splits = lay.splits;
   std::vector<float> parts;
@@ -757,7 +987,15 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
     kivi_kernel(nr, args.D, args.kbits, args.vbits)(args, b, h, r0, s, part);
   }, parts);
-  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data());
+  Sinks sk;
+  sk.k = a.k_sink;
+  sk.v = a.v_sink;
+  sk.S = a.S;
+  sk.layer = a.layer;
+  sk.length = a.length;
+  sk.window = a.window;
+  sk.rope = a.rope;
+  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data(), sk);
   return ffi::Error::Success();
 }
 
@@ -815,12 +1053,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // length [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new key [B, 1, H, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new value
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // key sinks [L, B, H, S, D] (S = 0: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // value sinks
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq [D / 2] (read when rope)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [B, 1, Hq, D]
                                   .Attr<int64_t>("k_bits")
                                   .Attr<int64_t>("v_bits")
                                   .Attr<int64_t>("k_group")
                                   .Attr<int64_t>("v_group")
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("rope"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxFullDecode, FullDecodeImpl,
                               ffi::Ffi::Bind()
