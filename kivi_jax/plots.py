@@ -127,11 +127,11 @@ def plot_tradeoff(rows: list[dict], title: str, path) -> str:
     beyond-KIVI configurations, the presets, and a peer's (transformers' quanto cache) when given; log ΔNLL."""
     plt = _pyplot()
     rows = [r for r in rows if r.get("bits") is not None and r["spec"] != "full"]
-    kinds = {"KIVI (bits, G, R, axes)": lambda r: r["study"] in KIVI_STUDIES,
+    kinds = {"presets": lambda r: r["study"] == "presets",  # first: a preset also on the combined path is a preset
+             "KIVI (bits, G, R, axes)": lambda r: r["study"] in KIVI_STUDIES,
              "beyond KIVI": lambda r: r["study"].startswith("beyond") or r["study"] == "other",
-             "presets": lambda r: r["study"] == "presets",
              "transformers + quanto": lambda r: r["study"] == "peer"}
-    markers = dict(zip(kinds, ("o", "s", "*", "^")))
+    markers = dict(zip(kinds, ("*", "o", "s", "^")))
     fig, ax = plt.subplots(figsize=(8, 5))
     seen = set()
     for kind, member in kinds.items():
