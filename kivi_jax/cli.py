@@ -315,7 +315,7 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     header = {"model": args.model, "text": text_name, "text_tokens": int(len(tokens)),
               "window_starts": evaluate.window_starts(len(tokens), args.prefill, args.decode, args.windows, args.split),
               "split": args.split, "prefill": args.prefill, "decode": args.decode, "windows": args.windows,
-              "head_dim": model.params.config.head_dim}
+              "head_dim": model.params.config.head_dim, "num_layers": model.params.config.num_layers}
     return header, results
 
 
@@ -359,7 +359,7 @@ def cmd_eval_ablate(args) -> int:
             raise ValueError(f"--peer {args.peer}: not a report of scripts/compare_hf_quantized_cache.py --json "
                              f"({e})") from None
     header, results = _run_eval(args, specs)
-    rows = evaluate.ablation_rows(results, header["head_dim"], args.prefill + args.decode)
+    rows = evaluate.ablation_rows(results, header["head_dim"], args.prefill + args.decode, header["num_layers"])
     what = (f"{header['model']}, {header['text']}, {header['windows']} windows ({header['split']} split), prefill "
             f"{header['prefill']}, decode {header['decode']}")
     table = evaluate.ablation_markdown(rows)

@@ -264,22 +264,26 @@ def ablation_specs() -> list[str]:
     return list(dict.fromkeys(spec_name(parse_cache_spec(s)) for _, s in ABLATION))
 
 
-def describe(spec: str, head_dim: int | None = None, tokens: int | None = None) -> dict:
+def describe(spec: str, head_dim: int | None = None, tokens: int | None = None, num_layers: int | None = None) -> dict:
     """Bits, axes, group size, residual length and the beyond-KIVI options of a spec, for tables; with `head_dim`
-    also the bits a cached value costs (codes, scales and mins, and sinks spread over `tokens`)."""
+    also the bits a cached value costs (codes, scales and mins, sinks spread over `tokens`, per-layer bits averaged
+    over `num_layers`)."""
     cfg = parse_cache_spec(spec)
     if cfg == "full":
         return {"keys": "full", "values": "full", "G": "", "R": "", "options": "", "bits": 16.0}
     options = [name for on, name in ((cfg.pre_rope, "pre-RoPE"), (cfg.sinks, f"{cfg.sinks} sinks"),
-                                     (cfg.rotate_values, "rotated values"), (cfg.rotate_keys, "rotated keys")) if on]
+                                     (cfg.rotate_values, "rotated values"), (cfg.rotate_keys, "rotated keys"),
+                                     (cfg.first_layers, f"first {cfg.first_layers} layers k{cfg.first_k_bits}"
+                                                        f"v{cfg.first_v_bits}")) if on]
     row = {"keys": f"{cfg.k_bits}-bit per-{cfg.key_axis}", "values": f"{cfg.v_bits}-bit per-{cfg.value_axis}",
            "G": cfg.group_size, "R": cfg.residual_length, "options": ", ".join(options)}
     if head_dim is not None:
-        row["bits"] = bits_per_value(cfg, head_dim, tokens)
+        row["bits"] = bits_per_value(cfg, head_dim, tokens, num_layers)
     return row
 
 
-def ablation_rows(results: dict, head_dim: int | None = None, tokens: int | None = None) -> list[dict]:
+def ablation_rows(results: dict, head_dim: int | None = None, tokens: int | None = None,
+                  num_layers: int | None = None) -> list[dict]:
     """One row per (study, spec) of ABLATION present in `results`, then any other spec of `results` (study "other");
     with ΔNLL against full (mean and its range over the windows) and, given the model's `head_dim`, bits a value."""
     full = results["full"]
@@ -291,7 +295,7 @@ def ablation_rows(results: dict, head_dim: int | None = None, tokens: int | None
             continue
         r = results[name]
         deltas = [a - b for a, b in zip(r["nll_per_window"], full["nll_per_window"])]
-        rows.append({"study": study, "spec": name, **describe(name, head_dim, tokens), "nll": r["nll"],
+        rows.append({"study": study, "spec": name, **describe(name, head_dim, tokens, num_layers), "nll": r["nll"],
                      "delta_nll": r["nll"] - full["nll"], "delta_min": min(deltas), "delta_max": max(deltas),
                      "kl_vs_full": r["kl_vs_full"], "top1_agree": r["top1_agree"]})
     return rows

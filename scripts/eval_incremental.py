@@ -35,7 +35,7 @@ def run(split: str, out_path: str, specs: list[str]) -> None:
         row = {"spec": spec_name(parse_cache_spec(s)), "alias": s, "split": split, "nll": float(out["nll"].mean()),
                "nll_per_window": out["nll"].mean(1).tolist(), "kl_vs_full": float(out["kl"].mean()),
                "top1_agree": float(out["top1"].mean()), "seconds": time.time() - t0,
-               "head_dim": model.params.config.head_dim}
+               "head_dim": model.params.config.head_dim, "num_layers": model.params.config.num_layers}
         with open(out_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{row['spec']}: NLL {row['nll']:.4f} ({row['seconds']:.0f} s)", flush=True)
@@ -44,14 +44,14 @@ def run(split: str, out_path: str, specs: list[str]) -> None:
 def table(paths: list[str], md: str | None, plot: str | None, peer: str | None) -> None:
     from kivi_jax import evaluate
 
-    results, head_dim = {}, None
+    results, head_dim, num_layers = {}, None, None
     for path in paths:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
                 results[row["spec"]] = row
-                head_dim = row.get("head_dim", head_dim)
-    rows = evaluate.ablation_rows(results, head_dim, 512 + 256)
+                head_dim, num_layers = row.get("head_dim", head_dim), row.get("num_layers", num_layers)
+    rows = evaluate.ablation_rows(results, head_dim, 512 + 256, num_layers)
     peer_rows = evaluate.peer_rows(json.load(open(peer, encoding="utf-8"))) if peer else []
     text = evaluate.ablation_markdown(rows)
     print(text, end="")
