@@ -50,8 +50,9 @@ SPLITS = ("eval", "dev")
 def window_starts(n_tokens: int, prefill: int, decode: int, windows: int, split: str = "eval") -> list[int]:
     """Starts of `windows` evenly spaced windows of `prefill + decode + 1` tokens: i * (n - P - N - 1) / (W - 1).
 
-    `split="dev"`: the development split for choosing configurations, `windows` windows at (i + 1/2) * span / W,
-    each disjoint from every window of the evaluation split (an error if the text is too short for that)."""
+    `split="dev"`: the development split for choosing configurations, `windows` windows at (i + f) * span / W with
+    f = 1/2 for an even W and 1/4 for an odd one (so that none starts where an evaluation window does), each disjoint
+    from every window of the evaluation split (an error if the text is too short for that)."""
     span = n_tokens - prefill - decode - 1
     if span < 0:
         raise ValueError(
@@ -62,7 +63,8 @@ def window_starts(n_tokens: int, prefill: int, decode: int, windows: int, split:
     evals = [0] if windows == 1 else [i * span // (windows - 1) for i in range(windows)]
     if split == "eval":
         return evals
-    devs = [(2 * i + 1) * span // (2 * windows) for i in range(windows)]
+    quarters = 2 if windows % 2 == 0 else 1  # f in quarters
+    devs = [(4 * i + quarters) * span // (4 * windows) for i in range(windows)]
     size = prefill + decode + 1
     if any(abs(d - e) < size for d in devs for e in evals):
         raise ValueError(f"the text has {n_tokens} tokens: too few for {windows} development windows of {size} tokens "
