@@ -366,17 +366,29 @@ def synthetic_prompts(cfg: LlamaConfig, batch: int, prompt_len: int, seed: int =
 
 
 def time_generate(params: Params, spec, batch: int, prompt_len: int, new_tokens: int, impl: str = "auto",
-                  repeats: int = 3) -> dict:
+                  repeats: int = 3, mesh=None) -> dict:
     """Wall time of prefill + `new_tokens` greedy tokens (compiled once, then `repeats` timed runs) and the
-    KIVI paper's throughput: batch * new_tokens / seconds."""
+    KIVI paper's throughput: batch * new_tokens / seconds. With `mesh`, params, cache and prompts sharded on it (the
+    batch must divide its data axis)."""
+    with sharding.use_mesh(mesh):
+        return _time_generate(params, spec, batch, prompt_len, new_tokens, impl, repeats, mesh)
+
+
+def _time_generate(params: Params, spec, batch: int, prompt_len: int, new_tokens: int, impl: str, repeats: int,
+                   mesh) -> dict:
     cfg, dtype = params.config, params.dtype
     params = rotation.prepare_params(params, parse_cache_spec(spec))
     max_tokens = cache_tokens(prompt_len, new_tokens, [spec])
-    tokens = jnp.asarray(synthetic_prompts(cfg, batch, prompt_len))
-    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    tokens = synthetic_prompts(cfg, batch, prompt_len)
+    lengths = np.full((batch,), prompt_len, np.int32)
+    if mesh is None:
+        tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    else:
+        params = sharding.shard_params(params, mesh)
+        tokens, lengths = sharding.put_batch(tokens, mesh), sharding.put_batch(lengths, mesh)
 
     def run():
-        cache = make_cache(spec, cfg, batch, max_tokens, dtype, impl)
+        cache = make_cache(spec, cfg, batch, max_tokens, dtype, impl, mesh=mesh)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         out, cache = generate_greedy(params, tokens, lengths, cache, new_tokens)
@@ -396,13 +408,15 @@ def time_generate(params: Params, spec, batch: int, prompt_len: int, new_tokens:
 
 
 def bench_generate(params: Params, batches, specs, prompt_len: int, new_tokens: int, impl: str = "auto",
-                   repeats: int = 3, log=None) -> list[dict]:
-    """Generation throughput for every (batch, spec), each spec's throughput ratio against `full` of the same run."""
+                   repeats: int = 3, log=None, mesh=None) -> list[dict]:
+    """Generation throughput for every (batch, spec), each spec's throughput ratio against `full` of the same run;
+    with `mesh` (a Mesh or 'data=2,model=4'), run sharded on it."""
+    mesh = sharding.resolve_mesh(mesh)
     rows = []
     for batch in batches:
         group = []
         for spec in specs:
-            t = time_generate(params, spec, batch, prompt_len, new_tokens, impl, repeats)
+            t = time_generate(params, spec, batch, prompt_len, new_tokens, impl, repeats, mesh)
             row = {**spec_fields(spec), "batch": batch, **t}
             group.append(row)
             if log:

@@ -93,6 +93,7 @@ def add_bench_commands(sub) -> None:
     g.add_argument("--new-tokens", type=integer(1), default=64, help="tokens generated per sequence (default 64)")
     g.add_argument("--cache", type=spec_list, default=["full", "kivi2", "kivi4"], help="cache specs (default full,kivi2,kivi4)")
     g.add_argument("--repeats", type=integer(1), default=3, help="timed runs per configuration (default 3)")
+    add_mesh_args(g)
     g.set_defaults(func=cmd_generate)
 
     from kivi_jax.serve.loadtest import add_serve_bench
@@ -247,11 +248,23 @@ def cmd_generate(args) -> int:
     from kivi_jax import bench
 
     _check_positive(repeats=args.repeats, layers=args.layers, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    from kivi_jax.cli import mesh_from_args
+
+    mesh = mesh_from_args(args)
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        data = sharding.mesh_sizes(mesh)["data"]
+        bad = [b for b in args.batch if b % data]
+        if bad:  # before the model loads
+            raise ValueError(f"--batch {','.join(map(str, bad))}: each batch must be a multiple of the mesh's data "
+                             f"axis ({data})")
     params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
     rows = bench.bench_generate(params, args.batch, args.cache, args.prompt_len, args.new_tokens, args.attention_impl,
-                                args.repeats, log=None if args.json else _log)
+                                args.repeats, log=None if args.json else _log, mesh=mesh)
     out = {
         **_header(args, params),
+        "mesh": args.mesh,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "results": rows,

@@ -190,6 +190,8 @@ def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], mesh, heads: bool, w
         axis = LOGICAL_AXES[name]
         if name in HEAD_AXES and not heads:
             axis = None
+        if name == "batch" and size == 1:
+            axis = None  # one sequence (a request being prefilled): whole on every data shard
         if axis is not None and size % sizes[axis]:
             if name == "batch":
                 raise MeshError(f"{what}: batch {size} does not divide the data axis ({sizes[axis]}); use a batch "

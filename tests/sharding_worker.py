@@ -270,6 +270,53 @@ def check_evaluate() -> dict:
     return {"ref_nll": ref["nll_per_window"], "got_nll": got["nll_per_window"]}
 
 
+def serve_run(params, mesh_text: str | None) -> dict:
+    """The serving engine on a mesh (or one device): 3 ragged greedy requests decoded together, then a request
+    that extends the first one's finished tokens (prefix reuse: its cache extracted from the batch cache)."""
+    from kivi_jax.serve.engine import Engine, extract_cache
+    from kivi_jax.serve.sampling import RowSampling
+
+    eng = Engine(params, KIVI, slots=4, max_length=MAX_TOKENS, prefill_chunk=32, attention_impl="xla",
+                 mesh=mesh_text)
+    tokens, lengths = prompts(3)
+    out: dict = {"streams": {}}
+    for i in range(3):
+        slot, first = eng.admit(tokens[i, : lengths[i]].tolist(), RowSampling(0.0))
+        out["streams"][slot] = [first]
+    for _ in range(4):
+        for slot, t in eng.step().items():
+            out["streams"][slot].append(t)
+    eng.finish(0)
+    follow = eng.slots[0].tokens + [eng.slots[0].last, 5, 6, 7]
+    slot, first = eng.admit(follow, RowSampling(0.0))
+    reuse = [first] + [eng.step()[slot] for _ in range(3)]
+    out.update(reuse=reuse, reused=eng.counters["prefix_tokens_reused"])
+    if mesh_text is not None:
+        mesh = eng.mesh
+        out["cache_leaves"] = leaf_report(eng.caches[0], sharding.cache_specs(eng.caches[0], mesh))
+        with sharding.use_mesh(mesh):
+            hlo = extract_cache.lower(eng.caches[0], jnp.int32(1), eng.axes, mesh).compile().as_text()
+        row = jax.tree_util.tree_leaves(eng.extract(1))
+        out["largest_all_gather_extract"] = largest_all_gather(hlo)
+        out["largest_row_leaf"] = max(int(np.prod(x.shape)) for x in row)
+        out["row_specs"] = [str(x.sharding.spec) for x in row]
+    return out
+
+
+def check_serve() -> dict:
+    """`Engine(mesh=)` against the same requests on one device."""
+    params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
+    return {"got": serve_run(params, "data=2,model=4"), "ref": serve_run(params, None)}
+
+
+def check_bench_generate() -> list[dict]:
+    """`kivi-jax bench generate --mesh`: the compiled prefill + decode loop runs sharded for full and KIVI."""
+    from kivi_jax import bench
+
+    params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
+    return bench.bench_generate(params, [2], ["full", KIVI], 40, 4, "xla", 1, mesh="data=2,model=4")
+
+
 def check_errors() -> dict:
     out = {}
     try:
@@ -307,7 +354,8 @@ def main_devices8(part: str) -> dict:
                "generate": [timed(check_generate, "data=2,model=4")], "evaluate": timed(check_evaluate)}
     else:
         out = {"parity": timed(check_parity, "mistral"), "lowering": timed(check_lowering),
-               "errors": timed(check_errors)}
+               "errors": timed(check_errors), "serve": timed(check_serve),
+               "bench_generate": timed(check_bench_generate)}
     out["seconds"] = TIMES
     return out
 

@@ -132,6 +132,9 @@ def test_cache_specs_by_rule_and_unknown_leaves_fail():
         sharding.cache_specs({"cache": cache, "x": jax.ShapeDtypeStruct((2, 4, 4, 8, 8), jnp.float32)}, "data=2")
     with pytest.raises(sharding.MeshError, match=r"batch 4 does not divide the data axis \(8\)"):
         sharding.cache_specs(cache, "data=8")
+    # one sequence (a request being prefilled for serving) is whole on every data shard, its heads still split
+    one = sharding.cache_specs(jax.eval_shape(lambda: make_cache("kivi2", TINY, 1, 256)), "data=2,model=4")
+    assert one.k.codes == P(None, None, "model") and one.length == P()
 
 
 def test_per_device_bytes_of_a_7b_cache():
@@ -253,6 +256,26 @@ def test_generate_with_a_mesh(devices8):
 def test_evaluate_with_a_mesh(devices8):
     ref, got = devices8["evaluate"]["ref_nll"], devices8["evaluate"]["got_nll"]
     assert len(got) == 4 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
+
+
+def test_serving_engine_on_a_mesh(devices8):
+    """`kivi-jax serve --mesh`: the same tokens as one device (decoding together, and a prefix reused from a
+    finished slot); slots split over data, heads over model; a slot is extracted without gathering its group."""
+    got, ref = devices8["serve"]["got"], devices8["serve"]["ref"]
+    assert got["streams"] == ref["streams"] and all(len(s) == 5 for s in got["streams"].values())
+    assert got["reuse"] == ref["reuse"] and got["reused"] == ref["reused"] > 0
+    leaves = got["cache_leaves"]
+    assert all(x["matches_table"] for x in leaves), leaves
+    assert all(x["shard_shape"][1] == 2 and x["shard_shape"][2] == 2 for x in leaves if len(x["shape"]) == 5)
+    assert 0 < got["largest_all_gather_extract"] <= 2 * got["largest_row_leaf"]  # D=2 candidate rows, no more
+    stores = [spec for spec in got["row_specs"] if "model" in spec]  # the extracted row: heads split, batch whole
+    assert len(stores) == 8 and all(spec == "P(None, None, 'model')" for spec in stores), got["row_specs"]
+
+
+def test_bench_generate_with_a_mesh(devices8):
+    rows = devices8["bench_generate"]
+    assert [r["cache"] for r in rows] == ["full", "k2v2-g32-r32"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["ratio_vs_full"] == rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
 
 
 def test_errors_name_what_is_wrong(devices8):

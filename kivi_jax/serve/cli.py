@@ -9,7 +9,7 @@ import sys
 
 def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> None:
     """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
-    from kivi_jax.cli import add_cache_args, add_model_args
+    from kivi_jax.cli import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK
 
     add_model_args(p)
@@ -28,6 +28,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "all slots in one step; on a compute-bound CPU, idle slots otherwise cost time)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
+    add_mesh_args(p)  # with --mesh, --cache-budget is per device and slots a multiple of the data axis
 
 
 def add_serve_parser(sub) -> None:
@@ -45,16 +46,17 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True)
     """Loads the model and builds the server the flags describe."""
     import kivi_jax
     from kivi_jax.bench import parse_bytes
-    from kivi_jax.cli import _dtype, cache_from_args
+    from kivi_jax.cli import _dtype, cache_from_args, mesh_from_args
     from kivi_jax.serve.server import build_server
 
     spec = cache_from_args(args)  # a bad spec fails before the model loads
     budget = None if args.cache_budget is None else parse_bytes(args.cache_budget)
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=progress)
+    mesh = mesh_from_args(args)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=progress, mesh=mesh)
     return build_server(model, spec, slots=args.slots, cache_budget=budget, max_length=args.max_length,
                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,
-                        model_name=model_name or args.model, decode_group=args.decode_group)
+                        model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh)
 
 
 def cmd_serve(args) -> int:

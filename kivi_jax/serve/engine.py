@@ -9,6 +9,10 @@ per group that holds a live slot (one compilation; idle groups cost nothing).
 
 Every cache leaf is stacked `[layers, batch, ...]` or is `[batch]`; the batch axis of each leaf is derived once by
 comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract` work for any cache kind.
+
+With `mesh` (docs/sharding.md) the params and every group's batch cache are sharded by the table (slots over the
+data axis, heads over the model axis), a request is prefilled into a one-sequence cache that is whole on every data
+shard (heads still split), and insert / extract move one row between the two without gathering a batch cache.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from kivi_jax import rotation
+from kivi_jax import rotation, sharding
 from kivi_jax.cache import make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.generate import PREFILL_CHUNK, prefill
@@ -53,12 +58,25 @@ def slots_in_budget(spec, cfg, max_length: int, dtype, budget: int) -> int:
     return int(budget // slot_bytes(spec, cfg, max_length, dtype))
 
 
-def capacity_report(spec, cfg, max_length: int, dtype, budget: int) -> dict:
-    """Slots that fit `budget` for `spec` and for the full-precision cache, with the bytes a slot takes."""
+def slot_bytes_per_device(spec, cfg, max_length: int, dtype, mesh) -> int:
+    """Bytes one device holds for every `data`-axis-size slots (one slot a data shard) on a mesh of that shape."""
+    data = sharding.mesh_sizes(mesh)["data"]
+    cache = abstract_slot_cache(spec, cfg, max_length, dtype, data)
+    return sharding.per_device_bytes(cache, sharding.cache_specs(cache, mesh), mesh)
+
+
+def capacity_report(spec, cfg, max_length: int, dtype, budget: int, mesh=None) -> dict:
+    """Slots that fit `budget` for `spec` and for the full-precision cache, with the bytes a slot takes. With
+    `mesh` the budget is per device: the slots are a multiple of the data axis whose shards fit it on every device
+    (`slot_bytes_per_device` is what one slot a data shard takes of one device)."""
     out = {"budget_bytes": int(budget), "max_length": max_length}
+    data = 1 if mesh is None else sharding.mesh_sizes(mesh)["data"]
     for name, s in (("cache", spec), ("full", "full")):
         b = slot_bytes(s, cfg, max_length, dtype)
         out[name] = {"spec": spec_name(parse_cache_spec(s)), "slot_bytes": b, "slots": int(budget // b)}
+        if mesh is not None:
+            per_device = slot_bytes_per_device(s, cfg, max_length, dtype, mesh)
+            out[name].update(slot_bytes_per_device=per_device, slots=data * int(budget // per_device))
     return out
 
 
@@ -89,12 +107,33 @@ def insert_cache(batch, one, slot: jax.Array, axes: tuple[int, ...]):
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
-@functools.partial(jax.jit, static_argnames=("axes",))
-def extract_cache(batch, slot: jax.Array, axes: tuple[int, ...]):
-    """Row `slot` of the batch cache as a one-sequence cache (a copy)."""
+@functools.partial(jax.jit, static_argnames=("axes", "mesh"))
+def extract_cache(batch, slot: jax.Array, axes: tuple[int, ...], mesh=None):
+    """Row `slot` of the batch cache as a one-sequence cache (a copy). With `mesh`: each data shard slices its
+    candidate row and only those D rows are gathered (never the batch cache), so the copy is whole on every data
+    shard, its heads split as the batch cache's."""
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    return jax.tree_util.tree_unflatten(
-        treedef, [jax.lax.dynamic_slice_in_dim(b, slot, 1, axis) for b, axis in zip(leaves, axes)])
+    if mesh is None:
+        return jax.tree_util.tree_unflatten(
+            treedef, [jax.lax.dynamic_slice_in_dim(b, slot, 1, axis) for b, axis in zip(leaves, axes)])
+    in_specs = jax.tree_util.tree_leaves(sharding.cache_specs(batch, mesh), is_leaf=lambda x: isinstance(x, P))
+    row_cache = jax.tree_util.tree_unflatten(
+        treedef, [jax.ShapeDtypeStruct(b.shape[:a] + (1,) + b.shape[a + 1:], b.dtype) for b, a in zip(leaves, axes)])
+    out_specs = jax.tree_util.tree_leaves(sharding.cache_specs(row_cache, mesh), is_leaf=lambda x: isinstance(x, P))
+
+    def local(slot, *shards):
+        rows = []
+        for b, axis in zip(shards, axes):
+            n = b.shape[axis]  # slots on this data shard
+            mine = jnp.clip(slot - jax.lax.axis_index("data") * n, 0, n - 1)
+            gathered = jax.lax.all_gather(jax.lax.dynamic_slice_in_dim(b, mine, 1, axis), "data", axis=axis,
+                                          tiled=True)  # one candidate row a data shard
+            rows.append(jax.lax.dynamic_slice_in_dim(gathered, slot // n, 1, axis))
+        return tuple(rows)
+
+    rows = jax.shard_map(local, mesh=mesh, in_specs=(P(), *in_specs), out_specs=tuple(out_specs),
+                         check_vma=False)(slot, *leaves)
+    return jax.tree_util.tree_unflatten(treedef, list(rows))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -150,8 +189,14 @@ class Engine:
         attention_impl: str = "auto",
         prefix_reuse: bool = True,
         decode_group: int | None = None,
+        mesh=None,
     ):
         cfg = params.config
+        mesh = sharding.resolve_mesh(mesh)
+        data = 1 if mesh is None else sharding.mesh_sizes(mesh)["data"]
+        if mesh is not None and jax.process_count() > 1:
+            raise ValueError(f"serving runs in one process (this is one of {jax.process_count()}): give a mesh of "
+                             "this host's devices")
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         if decode_group is not None and decode_group < 1:
@@ -165,6 +210,9 @@ class Engine:
         if self.spec != "full":
             self.spec.check_shapes(cfg.head_dim, max_length)
         params = rotation.prepare_params(params, self.spec)
+        self.mesh = mesh
+        if mesh is not None:
+            params = sharding.shard_params(params, mesh)
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
@@ -172,8 +220,13 @@ class Engine:
         # step runs one jitted call per group holding a live slot, so idle groups cost nothing.
         group = min(decode_group or slots, slots)
         self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
-        self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl) for _, n in self.groups]
-        self.keys = [jnp.zeros((n, 2), jnp.uint32) for _, n in self.groups]
+        if any(n % data for _, n in self.groups):
+            raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
+                             f"data axis ({data}), so its slots split evenly over the data shards; give slots and "
+                             f"--decode-group that are multiples of {data}")
+        self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh)
+                       for _, n in self.groups]
+        self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
         self.slot_bytes = slot_bytes(self.spec, cfg, max_length, self.dtype)
         self.slots = [Slot() for _ in range(slots)]
         self.eos = frozenset(cfg.eos_token_ids)
@@ -221,15 +274,20 @@ class Engine:
 
     # -- prefill and insert -------------------------------------------------------------------------------------------
 
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A `[slots, ...]` host array on the device(s): split over the data axis on a mesh."""
+        return jnp.asarray(x) if self.mesh is None else sharding.put_batch(x, self.mesh)
+
     def fresh_cache(self):
-        return make_cache(self.spec, self.cfg, 1, self.max_length, self.dtype, self.impl)
+        return make_cache(self.spec, self.cfg, 1, self.max_length, self.dtype, self.impl, mesh=self.mesh)
 
     def prefill(self, tokens: list[int], cache=None):
         """Prefills `tokens` onto a one-sequence `cache` (default: a fresh one) -> (logits of the last token
         `[1, vocab]`, the cache)."""
         cache = self.fresh_cache() if cache is None else cache
-        return prefill(self.params, np.asarray([tokens], np.int32), np.asarray([len(tokens)]), cache,
-                       self.prefill_chunk)
+        with sharding.use_mesh(self.mesh):
+            return prefill(self.params, np.asarray([tokens], np.int32), np.asarray([len(tokens)]), cache,
+                           self.prefill_chunk, self.mesh)
 
     def _where(self, slot: int) -> tuple[int, int]:
         """(group, row in the group's batch cache) of a slot."""
@@ -241,12 +299,14 @@ class Engine:
     def insert(self, seq_cache, slot: int) -> None:
         """Copies a one-sequence cache into batch row `slot` (jitted, the batch cache donated)."""
         g, row = self._where(slot)
-        self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), self.axes)
+        with sharding.use_mesh(self.mesh):
+            self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), self.axes)
 
     def extract(self, slot: int):
         """Batch row `slot` as a one-sequence cache (a copy)."""
         g, row = self._where(slot)
-        return extract_cache(self.caches[g], jnp.int32(row), self.axes)
+        with sharding.use_mesh(self.mesh):
+            return extract_cache(self.caches[g], jnp.int32(row), self.axes, self.mesh)
 
     def _reusable(self, prompt: list[int]) -> int | None:
         """The held slot with the longest token list that is a proper prefix of `prompt` (None if there is none)."""
@@ -283,10 +343,12 @@ class Engine:
         logits, seq = self.prefill(prompt[start:], seq)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         key = jax.random.PRNGKey(seed)[None]
-        first, key = sample_first(logits, key, *self._row_arrays([sampling]))
+        with sharding.use_mesh(self.mesh):
+            first, key = sample_first(logits, key, *self._row_arrays([sampling]))
         self.insert(seq, slot)
         g, row = self._where(slot)
-        self.keys[g] = self.keys[g].at[row].set(key[0])
+        with sharding.use_mesh(self.mesh):
+            self.keys[g] = self.keys[g].at[row].set(key[0])
         token = int(np.asarray(first)[0])
         self.slots[slot] = Slot(LIVE, list(prompt), token, sampling, time.monotonic())
         self.counters["prefill_tokens_computed"] += len(prompt) - start
@@ -299,10 +361,11 @@ class Engine:
     # -- decode -------------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _row_arrays(rows: list[RowSampling]):
-        temperature = jnp.asarray(np.array([r.temperature for r in rows], np.float32))
-        top_k = jnp.asarray(np.array([r.top_k for r in rows], np.int32))
-        top_p = jnp.asarray(np.array([r.top_p for r in rows], np.float32))
+    def _row_arrays(rows: list[RowSampling], put=jnp.asarray):
+        """Per-row temperature, top-k and top-p, placed by `put` (a batch group's: split over the data axis)."""
+        temperature = put(np.array([r.temperature for r in rows], np.float32))
+        top_k = put(np.array([r.top_k for r in rows], np.int32))
+        top_p = put(np.array([r.top_p for r in rows], np.float32))
         return temperature, top_k, top_p
 
     def step(self) -> dict[int, int]:
@@ -319,8 +382,10 @@ class Engine:
             mask = np.array([s.state == LIVE for s in rows])
             tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
             sampling = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in rows]
-            nxt, self.caches[g], self.keys[g] = decode_slots(self.params, jnp.asarray(tokens), jnp.asarray(mask),
-                                                             self.caches[g], self.keys[g], *self._row_arrays(sampling))
+            with sharding.use_mesh(self.mesh):
+                nxt, self.caches[g], self.keys[g] = decode_slots(self.params, self._put(tokens), self._put(mask),
+                                                                 self.caches[g], self.keys[g],
+                                                                 *self._row_arrays(sampling, self._put))
             pending.append((first, nxt))  # every group is dispatched before any result is read
         host = np.zeros(self.num_slots, np.int64)
         for first, nxt in pending:
@@ -348,7 +413,8 @@ class Engine:
         """Empties a slot (its next `insert` overwrites every leaf of it)."""
         self.slots[slot] = Slot()
         g, row = self._where(slot)
-        self.caches[g] = reset_length(self.caches[g], jnp.int32(row))
+        with sharding.use_mesh(self.mesh):
+            self.caches[g] = reset_length(self.caches[g], jnp.int32(row))
 
     def metrics(self) -> dict:
         return {"slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE),

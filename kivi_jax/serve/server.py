@@ -51,14 +51,18 @@ class Server:
 def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget: int | None = None,
                  max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = 64,
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
-                 decode_group: int | None = None) -> Server:
+                 decode_group: int | None = None, mesh=None) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
-    the most slots of `max_length` tokens whose cache fits `cache_budget` bytes."""
+    the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
+    slots a multiple of its data axis)."""
     try:
         from kivi_jax.serve.http import create_app
     except ImportError as e:
         raise RuntimeError(f"serving needs FastAPI and uvicorn ({e}): pip install 'kivi-jax[serve]'") from e
 
+    from kivi_jax import sharding
+
+    mesh = sharding.resolve_mesh(mesh)
     params, tokenizer = model.params, model.tokenizer
     spec = parse_cache_spec(cache)
     max_length = default_max_length(spec, params.config) if max_length is None else max_length
@@ -66,20 +70,25 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
         raise ValueError("give the slots or a cache budget, not both")
     if spec != "full":
         spec.check_shapes(params.config.head_dim, max_length)
-    capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1)
+    capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1, mesh)
     if cache_budget is None:
         capacity.pop("budget_bytes")
         for part in ("cache", "full"):
             capacity[part].pop("slots")
+        if mesh is not None:
+            capacity["mesh"] = sharding.mesh_sizes(mesh)
         slots = DEFAULT_SLOTS if slots is None else slots
     else:
         slots = capacity["cache"]["slots"]
         if slots < 1:
+            need = (f"{capacity['cache']['slot_bytes']} bytes a slot" if mesh is None else
+                    f"{capacity['cache']['slot_bytes_per_device']} bytes of each device for one slot a data shard")
             raise ValueError(f"a cache budget of {cache_budget} bytes fits no slot of {max_length} tokens of "
-                             f"{spec_name(spec)} ({capacity['cache']['slot_bytes']} bytes a slot); raise the budget "
-                             "or lower --max-length")
+                             f"{spec_name(spec)} ({need}); raise the budget or lower --max-length")
+        if mesh is not None:
+            capacity["mesh"] = sharding.mesh_sizes(mesh)
     capacity["slots"] = slots
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
-                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group)
+                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh)
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
     return Server(engine, scheduler, create_app(scheduler, model_name), model_name, capacity)
