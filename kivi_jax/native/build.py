@@ -5,7 +5,7 @@ headers jaxlib ships (`jax.ffi.include_dir()`): `-O3 -march=native -shared -fPIC
 `-march=native` when the compiler refuses it. The shared library is cached under `<cache root>/native/` (the root is
 `$KIVI_JAX_CACHE`, else `~/.cache/kivi_jax`), named by a hash of the source, the flags, the compiler, the jaxlib
 version and the CPU's features, and written to a temporary name first and renamed into place, so concurrent processes
-never load a half-written file. It is loaded with ctypes and its handlers registered with
+never load a half-written file; a build holds a file lock, so processes starting together compile it once. It is loaded with ctypes and its handlers registered with
 `jax.ffi.register_ffi_target(..., platform="cpu")`.
 
 When there is no compiler or the build fails, `load()` returns None and warns once (why, and that the XLA path runs
@@ -14,6 +14,7 @@ instead); later calls return None without a second warning. `reset()` forgets th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -116,11 +117,27 @@ def build() -> Path:
         if path.exists():
             return path
         try:
-            compile_library(cxx, flags, path)
+            with build_lock(path):  # concurrent first uses: one compiles, the others wait and find its library
+                if not path.exists():
+                    compile_library(cxx, flags, path)
             return path
         except NativeBuildError as e:
             errors.append(str(e))
     raise NativeBuildError("; then without -march=native: ".join(errors))
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """An exclusive `fcntl.flock` on `<library>.lock` for the time of a build (released if the process dies)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def register(lib_path: Path):
