@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python scripts/compare_llama_cpp.py [--contexts 512,4096] [--threads 1,2] [--json out.json]
 
-llama.cpp (through `llama-cpp-python`, which this script pip-installs itself when it is missing; it is not a
-dependency of kivi-jax, and on a machine without a prebuilt wheel pip compiles llama.cpp, which takes minutes):
+llama.cpp (through `llama-cpp-python` when it is installed, else the prebuilt CPU module of `llama-cpp-cffi`, which
+this script pip-installs itself into the kivi_jax cache; neither is a dependency of kivi-jax; PyPI has no wheel of
+llama-cpp-python for Linux and compiling it takes many minutes):
 decode tokens/s at each context for its f16 and q4_0 KV caches (q4_0 needs flash attention, so both use it), after a
 prefill of that many tokens, timing `--new-tokens` single-token evals. kivi-jax: `kivi-jax bench decode` at batch 1,
 the full-precision cache and kivi2 (`--attention-impl auto`: the native CPU kernel for kivi2), in a subprocess
@@ -27,49 +28,148 @@ GGML_TYPE_F16, GGML_TYPE_Q4_0 = 1, 2
 INSTALL_TIMEOUT_S = 1800
 
 
-def ensure_llama_cpp(timeout: int = INSTALL_TIMEOUT_S) -> str | None:
-    """Imports llama_cpp, pip-installing `llama-cpp-python` first if needed; None on success, else why not."""
-    try:
-        import llama_cpp  # noqa: F401
+CFFI_DIR = os.path.join(os.environ.get("KIVI_JAX_CACHE", os.path.expanduser("~/.cache/kivi_jax")), "llama-cpp-cffi")
+# llama-cpp-cffi's CPU build links against a newer libstdc++ than GCC 12's for two symbols; a shim supplies them
+SHIM = """#include <exception>
+namespace std { void ios_base_library_init() {} }
+extern "C" void __cxa_call_terminate(void*) noexcept { std::terminate(); }
+"""
 
-        return None
-    except ImportError:
-        pass
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "llama-cpp-python"]
-    print(f"installing llama-cpp-python: {' '.join(cmd)} (may compile llama.cpp)", file=sys.stderr, flush=True)
+
+def _pip(args: list[str], timeout: int) -> str | None:
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *args]
+    print(f"installing: {' '.join(cmd)}", file=sys.stderr, flush=True)
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"pip install llama-cpp-python did not finish in {timeout} s"
-    if res.returncode != 0:
-        return f"pip install llama-cpp-python failed: {(res.stderr or res.stdout).strip()[-1500:]}"
+        return f"{' '.join(cmd)} did not finish in {timeout} s"
+    return None if res.returncode == 0 else f"{' '.join(cmd)} failed: {(res.stderr or res.stdout).strip()[-1500:]}"
+
+
+def _load_cffi():
+    """llama.cpp's C API from llama-cpp-cffi's prebuilt CPU module (its Python package is not imported)."""
+    import ctypes
+    import glob
+    import importlib.util
+
+    shim = os.path.join(CFFI_DIR, "shim.so")
+    if not os.path.exists(shim):
+        src = shim[:-3] + ".cc"
+        with open(src, "w") as f:
+            f.write(SHIM)
+        subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", shim, src], check=True)
+    ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
+    path = glob.glob(os.path.join(CFFI_DIR, "llama", "_llama_cpp_cpu*.so"))[0]
+    spec = importlib.util.spec_from_file_location("_llama_cpp_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ffi, module.lib
+
+
+def ensure_llama_cpp(timeout: int = INSTALL_TIMEOUT_S):
+    """llama.cpp to time: ("python", None) when `llama_cpp` (llama-cpp-python) imports; else ("cffi", (ffi, lib))
+    from the prebuilt wheel of `llama-cpp-cffi`, pip-installed (with `cffi`) into the kivi_jax cache the first time;
+    (None, why) when neither works. llama-cpp-python is tried first only if it is already installed: PyPI has no
+    wheel of it for Linux, and compiling it took longer than 300 s here."""
     try:
         import llama_cpp  # noqa: F401
-    except ImportError as e:
-        return f"llama_cpp does not import after installing: {e}"
-    return None
+
+        return "python", None
+    except ImportError:
+        pass
+    try:
+        import cffi  # noqa: F401
+    except ImportError:
+        why = _pip(["cffi"], timeout)
+        if why:
+            return None, why
+    if not os.path.isdir(os.path.join(CFFI_DIR, "llama")):
+        why = _pip(["--no-deps", "--only-binary", ":all:", "--target", CFFI_DIR, "llama-cpp-cffi"], timeout)
+        if why:
+            return None, why
+    try:
+        return "cffi", _load_cffi()
+    except Exception as e:  # noqa: BLE001 - reported, the kivi-jax rows still run
+        return None, f"llama-cpp-cffi's CPU module does not load: {type(e).__name__}: {e}"
 
 
-def llama_cpp_decode(gguf: str, context: int, threads: int, cache_type: int, new_tokens: int) -> dict:
-    """llama.cpp decode tokens/s with `context` tokens already in its cache."""
+def llama_cpp_decode(backend, gguf: str, context: int, threads: int, cache_type: int, new_tokens: int) -> dict:
+    """llama.cpp decode tokens/s with `context` tokens already in its cache (median of `new_tokens` single-token
+    decodes, greedy)."""
+    kind, handle = backend
+    return (_decode_python if kind == "python" else _decode_cffi)(handle, gguf, context, threads, cache_type,
+                                                                 new_tokens)
+
+
+def _timed_steps(step, first: int, new_tokens: int) -> dict:
+    tok, times = first, []
+    for _ in range(new_tokens):
+        t0 = time.perf_counter()
+        tok = step(tok)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"step_ms_median": med * 1e3, "step_ms_min": min(times) * 1e3, "tokens_per_s": 1.0 / med}
+
+
+def _decode_python(_, gguf, context, threads, cache_type, new_tokens) -> dict:
     import llama_cpp
     import numpy as np
 
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=context + new_tokens + 8, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, type_k=cache_type, type_v=cache_type, flash_attn=True, verbose=False)
-    vocab = llm.n_vocab()
-    prompt = np.random.RandomState(0).randint(100, vocab - 1, context).tolist()
+    prompt = np.random.RandomState(0).randint(100, llm.n_vocab() - 1, context).tolist()
     llm.eval(prompt)
-    tok = prompt[-1]
-    times = []
-    for _ in range(new_tokens):
-        t0 = time.perf_counter()
+
+    def step(tok):
         llm.eval([tok])
-        times.append(time.perf_counter() - t0)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    med = statistics.median(times)
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    out = _timed_steps(step, prompt[-1], new_tokens)
     del llm
-    return {"step_ms_median": med * 1e3, "tokens_per_s": 1.0 / med}
+    return out
+
+
+_QUIET = None
+
+
+def _decode_cffi(handle, gguf, context, threads, cache_type, new_tokens) -> dict:
+    import numpy as np
+
+    ffi, lib = handle
+    global _QUIET
+    if _QUIET is None:  # llama.cpp logs every load to stderr; the callback must outlive every call
+        _QUIET = ffi.callback("ggml_log_callback", lambda level, text, user: None)
+        lib.llama_log_set(_QUIET, ffi.NULL)
+    lib.llama_backend_init()
+    mparams = lib.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    model = lib.llama_model_load_from_file(gguf.encode(), mparams)
+    if model == ffi.NULL:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = context + new_tokens + 8, 512, 512
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.type_k = cparams.type_v = cache_type
+    cparams.flash_attn = True
+    cparams.no_perf = True
+    ctx = lib.llama_init_from_model(model, cparams)
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+
+    def decode(tokens: list[int]) -> int:
+        buf = ffi.new("llama_token[]", tokens)
+        if lib.llama_decode(ctx, lib.llama_batch_get_one(buf, len(tokens))) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(ctx, -1), 4 * n_vocab), np.float32)
+        return int(np.argmax(logits))
+
+    prompt = np.random.RandomState(0).randint(100, n_vocab - 1, context).tolist()
+    for start in range(0, context, 512):
+        first = decode(prompt[start : start + 512])
+    try:
+        return _timed_steps(lambda tok: decode([tok]), first, new_tokens)
+    finally:
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
 
 
 def kivi_jax_decode(contexts, threads: int, repeats: int) -> list[dict]:
@@ -102,13 +202,14 @@ def main() -> None:
 
     gguf = str(fetch_gguf("smollm2"))
     out = {"gguf": os.path.basename(gguf), "load_before": os.getloadavg()[0], "rows": []}
-    why = ensure_llama_cpp()
-    out["llama_cpp"] = "ok" if why is None else why
+    backend = ensure_llama_cpp()
+    why = None if backend[0] else backend[1]
+    out["llama_cpp"] = why or {"python": "llama-cpp-python", "cffi": "llama-cpp-cffi (prebuilt CPU module)"}[backend[0]]
     for t in threads:
         for ctx in contexts:
             if why is None:
                 for name, kind in (("llama.cpp f16", GGML_TYPE_F16), ("llama.cpp q4_0", GGML_TYPE_Q4_0)):
-                    r = llama_cpp_decode(gguf, ctx, t, kind, args.new_tokens)
+                    r = llama_cpp_decode(backend, gguf, ctx, t, kind, args.new_tokens)
                     out["rows"].append({"engine": name, "threads": t, "context": ctx, **r})
                     print(f"{name:>16s} threads {t} context {ctx:5d}: {r['tokens_per_s']:7.1f} tokens/s", file=sys.stderr)
         for r in kivi_jax_decode(contexts, t, args.repeats):
