@@ -6,6 +6,12 @@ import json
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch on 2 threads is up to 1000x slower on small ops here
+# Little compiler optimization (jax_disable_most_optimizations: LLVM at -O0) for the tests on tiny models, here and in
+# the processes they start: nearly all their programs are tiny, so compiling is most of their time (a third less for
+# tests/test_kivi_cache.py). XLA's HLO passes and the float semantics stay the same (XLA:CPU uses no fast math). The
+# real-model tests (`slow`) run their long decodes optimized as usual (at -O0 they took twice as long); see
+# `compile_fast` below.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import numpy as np
 import pytest
@@ -27,6 +33,15 @@ TINY_CONFIGS = {
     "mistral_window": ("mistral", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=11,
                                        tie_word_embeddings=False)),
 }
+
+
+@pytest.fixture(autouse=True)
+def compile_fast(request):
+    """Every test compiles with few optimizations, except the real-model tests (marked `slow`)."""
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", request.node.get_closest_marker("slow") is None)
+    yield
 
 
 def torch_threads():

@@ -31,8 +31,10 @@ sys.exit(cli.main(["generate", "--prompt", "hi"]))
 
 def start_worker() -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    # SIGINT back to its default in the child: a test run started in the background (`cmd &`) ignores SIGINT, and a
+    # Python started with it ignored never raises KeyboardInterrupt
     p = subprocess.Popen([sys.executable, "-c", WORKER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+                         stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.read(6) == b"token ", p.stderr.read().decode()  # it is streaming
     return p
 

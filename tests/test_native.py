@@ -260,7 +260,7 @@ def test_real_model_generates_the_xla_greedy_tokens_through_native(smollm2):
     model = smollm2
     text = topics["assignment"][:1500]  # about 300 tokens: quantized, flushed and ring tokens in view
     for spec in ("kivi2", "full"):
-        kw = dict(max_new_tokens=48, cache=spec, stop_at_eos=False)
+        kw = dict(max_new_tokens=32, cache=spec, stop_at_eos=False)
         xla = kivi_jax.generate(model, [text, text[:400]], attention_impl="xla", **kw).token_ids
         with warnings.catch_warnings():
             warnings.simplefilter("error")
