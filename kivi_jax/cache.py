@@ -276,8 +276,8 @@ class KIVIUpdate:
 
     k: Quantized  # the key store's candidate rows (`QuantStore.append_positions`)
     v: Quantized  # the value store's
-    k_ring: jax.Array  # [batch, kv_heads, R, head_dim]: the whole ring after the append
-    v_ring: jax.Array
+    k_new: jax.Array  # [batch, kv_heads, T, head_dim]: the new tokens as stored, for their ring slots
+    v_new: jax.Array
     bad: jax.Array  # [batch] bool: a written scale or min overflowed
     k_sink: jax.Array | None = None  # [batch, kv_heads, min(T, S), head_dim]: the first new tokens, for sink rows
     v_sink: jax.Array | None = None
@@ -423,14 +423,21 @@ class KIVICache:
         update, bad = {}, jnp.zeros(length.shape, bool)
         for name, store, ring, new in (("k", self.k, k_ring, k), ("v", self.v, v_ring, v)):
             pos = store.append_positions(length, tokens, r)  # [batch, n]
-            q = store.quantize(without_sinks(store, pos, tokens_at(sink_stand_in(store, pos, self.config.sinks), ring,
-                                                                   new, length), self.config.sinks))
-            bad = bad | q.bad(store.group_mask(store.write_mask(pos, length, new_length, r)))
+            mask = store.write_mask(pos, length, new_length, r)
+
+            def quantize(store=store, pos=pos, ring=ring, new=new):
+                return store.quantize(without_sinks(store, pos, tokens_at(sink_stand_in(store, pos, self.config.sinks),
+                                                                          ring, new, length), self.config.sinks))
+
+            # Only when some sequence quantizes a row now: a decode step completes a key block once in R steps, and
+            # quantizing a whole R-block every step (then dropping it) was a third of a SmolLM2 step at batch 8.
+            # Otherwise zeros, which `commit` drops (no row is in the write mask).
+            nothing = lambda: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(quantize))
+            q = jax.lax.cond(jnp.any(mask), quantize, nothing)
+            bad = bad | q.bad(store.group_mask(mask))
             update[name] = q
-        held = layout.ring_tokens(new_length, r)  # [batch, R]: the token each slot holds after the append
         n = min(self.config.sinks, tokens)  # the new tokens that may land in a sink row
-        return KIVIUpdate(update["k"], update["v"], ring_after(k_ring, k, held, length),
-                          ring_after(v_ring, v, held, length), bad, *((k[:, :, :n], v[:, :, :n]) if n else ()))
+        return KIVIUpdate(update["k"], update["v"], k, v, bad, *((k[:, :, :n], v[:, :, :n]) if n else ()))
 
     def commit(self, updates: KIVIUpdate, num_new: jax.Array) -> "KIVICache":
         """Writes every layer's update (stacked on a leading layer axis) and advances `length` by `num_new`."""
@@ -446,10 +453,17 @@ class KIVICache:
         for name, store in (("k", self.k), ("v", self.v)):
             q = getattr(updates, name)  # rows for append_positions: as many as the update carries
             pos = store.append_start(length, r)[:, None] + jnp.arange(q.codes.shape[3], dtype=jnp.int32)[None, :]
-            rows = jnp.where(store.write_mask(pos, length, new_length, r), pos, store.max_tokens)
-            stores[name] = store.write_rows(rows, q)
+            mask = store.write_mask(pos, length, new_length, r)
+            rows = jnp.where(mask, pos, store.max_tokens)
+            # Skipped when no row is written (a decode step writes key rows once in R steps): even a scatter whose
+            # rows are all dropped walks every update element
+            stores[name] = jax.lax.cond(jnp.any(mask), lambda store=store, rows=rows, q=q: store.write_rows(rows, q),
+                                        lambda store=store: store)
         flags = capacity_flags(length, num_new, self.max_tokens)
         flags = flags | jnp.where(jnp.any(updates.bad, axis=0), SCALE_OVERFLOW, 0).astype(jnp.int32)
+        # The ring: the new tokens among the newest R after the append go to their slots, in place (a decode step
+        # writes one row a layer, not the whole ring)
+        slots = layout.ring_slots(length, num_new, updates.k_new.shape[3], r)  # [batch, T]
         sinks = {}
         if self.k_sink is not None:  # rows past S are dropped
             rows = new_rows(length, num_new, updates.k_sink.shape[3], self.config.sinks)
@@ -458,8 +472,8 @@ class KIVICache:
         return self.replace(
             k=stores["k"],
             v=stores["v"],
-            k_ring=updates.k_ring.astype(self.k_ring.dtype),
-            v_ring=updates.v_ring.astype(self.v_ring.dtype),
+            k_ring=scatter_rows(self.k_ring, slots, updates.k_new),
+            v_ring=scatter_rows(self.v_ring, slots, updates.v_new),
             length=new_length,
             error_flags=self.error_flags | flags,
             **sinks,
@@ -477,9 +491,12 @@ def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array
     length`: slot `pos % R`) or the new tokens `new [batch, kv_heads, T, head_dim]` (`pos >= length`). Positions
     outside both give some entry of them (never written)."""
     r, tokens = ring.shape[2], new.shape[2]
-    both = jnp.concatenate([ring, new.astype(ring.dtype)], axis=2)  # [batch, kv_heads, R + T, head_dim]
-    idx = jnp.where(pos >= length[:, None], r + jnp.clip(pos - length[:, None], 0, tokens - 1), jnp.mod(pos, r))
-    return jnp.take_along_axis(both, idx[:, None, :, None], axis=2)
+    is_new = (pos >= length[:, None])[:, None, :, None]
+    # two gathers of the n rows and a select (concatenating ring and new tokens first copied the whole ring)
+    from_ring = jnp.take_along_axis(ring, jnp.mod(pos, r)[:, None, :, None], axis=2)
+    from_new = jnp.take_along_axis(new.astype(ring.dtype), jnp.clip(pos - length[:, None], 0, tokens - 1)[:, None, :, None],
+                                   axis=2)
+    return jnp.where(is_new, from_new, from_ring)
 
 
 def sink_stand_in(store: QuantStore, pos: jax.Array, sinks: int) -> jax.Array:
@@ -499,16 +516,6 @@ def without_sinks(store: QuantStore, pos: jax.Array, x: jax.Array, sinks: int) -
     if not sinks or store.axis != "token":
         return x
     return jnp.where((pos < sinks)[:, None, :, None], 0, x).astype(x.dtype)
-
-
-def ring_after(ring: jax.Array, new: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
-    """One layer's ring `[batch, kv_heads, R, head_dim]` after the append: slots whose newest token `held [batch, R]`
-    is new take it from `new`, the others keep their entry."""
-    tokens = new.shape[2]
-    fresh = held >= length[:, None]  # [batch, R]
-    idx = jnp.clip(held - length[:, None], 0, tokens - 1)
-    picked = jnp.take_along_axis(new.astype(ring.dtype), idx[:, None, :, None], axis=2)
-    return jnp.where(fresh[:, None, :, None], picked, ring)
 
 
 def kivi_cache_bytes(

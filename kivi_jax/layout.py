@@ -37,6 +37,15 @@ def ring_tokens(length: jax.Array, residual: int) -> jax.Array:
     return last - jnp.mod(last - jnp.arange(residual)[None, :], residual)
 
 
+def ring_slots(length: jax.Array, num_new: jax.Array, tokens: int, residual: int) -> jax.Array:
+    """`[batch, tokens]`: the ring slot new token `i` (position `length + i`) lands in when `num_new [batch]` of
+    `tokens` are appended, or R (dropped) for a token that is padding or not among the newest R after the append.
+    Slots are distinct within a row, and after the writes every slot holds what `ring_tokens` says."""
+    i = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    lands = (i < num_new[:, None]) & (i >= num_new[:, None] - residual)
+    return jnp.where(lands, jnp.mod(length[:, None] + i, residual), residual)
+
+
 def last_flushed_block(length: jax.Array, residual: int) -> jax.Array:
     """`[batch]`: first row of the newest quantized R-block of a per-channel store (0 before the first flush). Ring
     slot `s` and row `start + s` of that block hold the same token while it is in the ring."""

@@ -35,3 +35,22 @@ def test_the_kernels_mirror_equals_layout():
     assert (jnp.where(written, tok, 0) == jnp.where(written, held, 0)).all()
     assert (tok[~written] < 0).all()
     assert (jnp.where(written, quantized, False) == (written & (held < layout.quantized_end("channel", length, R)[:, None]))).all()
+
+
+def test_ring_slots_leave_every_slot_holding_the_token_ring_tokens_names():
+    """Appending `num_new` of T tokens onto `length`: writing each landing token to its slot (in any order; slots are
+    distinct) gives the ring `ring_tokens(length + num_new)` describes, for chunks shorter and longer than R."""
+    rng = np.random.RandomState(0)
+    for tokens in (1, 5, R, R + 9, 3 * R):
+        length = jnp.asarray(rng.randint(0, 4 * R, 32), jnp.int32)
+        num_new = jnp.asarray(rng.randint(0, tokens + 1, 32), jnp.int32)
+        slots = np.asarray(layout.ring_slots(length, num_new, tokens, R))
+        ring = np.asarray(layout.ring_tokens(length, R)).copy()  # token ids per slot before the append
+        for b in range(32):
+            landed = slots[b][slots[b] < R]
+            assert len(set(landed.tolist())) == len(landed)  # distinct
+            for i in range(tokens):
+                if slots[b, i] < R:
+                    ring[b, slots[b, i]] = int(length[b]) + i
+        after = np.asarray(layout.ring_tokens(length + num_new, R))
+        assert (np.where(after >= 0, ring, -1) == np.where(after >= 0, after, -1)).all()
