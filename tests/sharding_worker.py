@@ -191,13 +191,20 @@ def check_parity(model_name: str) -> list[dict]:
 
 
 def check_kernel() -> list[dict]:
-    """The Pallas kernels (interpret mode) per shard under shard_map against the unsharded XLA path."""
+    """The Pallas kernels (interpret mode) and the native CPU kernels per shard under shard_map against the unsharded
+    XLA path."""
+    from kivi_jax import native
+
     rows = []
     params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
-    for spec in ("full", KIVI):
+    for impl, spec in (("pallas", "full"), ("pallas", KIVI), ("native", "full"), ("native", KIVI)):
         ref = reference(params, spec)  # the XLA path on one device
-        got = greedy_run(params, spec, sharding.make_mesh("data=2,model=4"), impl="pallas", ref=ref)
-        rows.append({"spec": spec, "prefill_logit_diff": float(np.max(np.abs(got["logits"][0] - ref["logits"][0]))),
+        with warnings.catch_warnings():
+            if impl == "native":  # the native kernel falling back to the XLA path would warn: fail instead
+                warnings.simplefilter("error", RuntimeWarning)
+            got = greedy_run(params, spec, sharding.make_mesh("data=2,model=4"), impl=impl, ref=ref)
+        rows.append({"impl": impl, "spec": spec, "native_available": native.available(),
+                     "prefill_logit_diff": float(np.max(np.abs(got["logits"][0] - ref["logits"][0]))),
                      "decode_logit_diff": float(np.max(np.abs(got["forced_logits"] - ref["logits"][1:]))),
                      "free_running_logit_diff": float(np.max(np.abs(got["logits"] - ref["logits"]))),
                      "tokens_equal": bool(np.array_equal(got["tokens"], ref["tokens"]))})

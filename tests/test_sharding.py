@@ -225,7 +225,10 @@ def test_no_cache_sized_all_gather(devices8):
 
 
 def test_kernels_per_shard_equal_the_unsharded_xla_path(devices8):
-    assert {r["spec"] for r in devices8["kernel"]} == {"full", "k2v2-g32-r32"}
+    """The Pallas kernels (interpret mode) and the native CPU kernels, each run per shard under shard_map."""
+    assert {(r["impl"], r["spec"]) for r in devices8["kernel"]} == {
+        (i, s) for i in ("pallas", "native") for s in ("full", "k2v2-g32-r32")}
+    assert all(r["native_available"] for r in devices8["kernel"])
     for r in devices8["kernel"]:
         assert r["tokens_equal"], r
         assert r["prefill_logit_diff"] <= 1e-5 and r["decode_logit_diff"] <= 1e-5, r
