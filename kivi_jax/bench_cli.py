@@ -119,6 +119,19 @@ def _check_positive(**values) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {v}")
 
 
+def _check_batches(batches, mesh) -> None:
+    """On a mesh every `--batch` must split over its data axis: checked before the model loads."""
+    if mesh is None:
+        return
+    from kivi_jax import sharding
+
+    data = sharding.mesh_sizes(mesh)["data"]
+    bad = [b for b in batches if b % data]
+    if bad:
+        raise ValueError(f"--batch {','.join(map(str, bad))}: each batch must be a multiple of the mesh's data axis "
+                         f"({data})")
+
+
 def _header(args, params) -> dict:
     """What every timing result says about where and on what it ran."""
     from kivi_jax import bench
@@ -136,6 +149,7 @@ def cmd_decode(args) -> int:
     from kivi_jax.cli import mesh_from_args
 
     mesh = mesh_from_args(args)
+    _check_batches(args.batch, mesh)
     params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
     rows = bench.bench_decode(params, args.contexts, args.batch, args.cache, args.attention_impl, args.repeats,
                               args.warmup, log=None if args.json else _log, mesh=mesh)
@@ -251,14 +265,7 @@ def cmd_generate(args) -> int:
     from kivi_jax.cli import mesh_from_args
 
     mesh = mesh_from_args(args)
-    if mesh is not None:
-        from kivi_jax import sharding
-
-        data = sharding.mesh_sizes(mesh)["data"]
-        bad = [b for b in args.batch if b % data]
-        if bad:  # before the model loads
-            raise ValueError(f"--batch {','.join(map(str, bad))}: each batch must be a multiple of the mesh's data "
-                             f"axis ({data})")
+    _check_batches(args.batch, mesh)
     params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
     rows = bench.bench_generate(params, args.batch, args.cache, args.prompt_len, args.new_tokens, args.attention_impl,
                                 args.repeats, log=None if args.json else _log, mesh=mesh)

@@ -168,6 +168,15 @@ def test_bench_memory_per_device(capsys):
     assert cli.main(["bench", "memory", "--model", "llama2-7b", "--no-temps", "--mesh", "data=3,rows=2"]) == 2
 
 
+def test_bench_batches_must_split_over_the_data_axis():
+    from kivi_jax.bench_cli import _check_batches
+
+    _check_batches([2, 4], {"data": 2})
+    _check_batches([3], None)
+    with pytest.raises(ValueError, match=r"--batch 3,5: each batch must be a multiple of the mesh's data axis \(2\)"):
+        _check_batches([2, 3, 5], {"data": 2})
+
+
 def test_initialize_distributed_needs_all_or_none(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
