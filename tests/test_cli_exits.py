@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The real `main`, with the generate command replaced by one that streams forever (no model needed).
 WORKER = """
-import sys, time
+import signal, sys, time
+# Python's own Ctrl-C handler, as in a terminal: a test run started in the background (`cmd &`) passes SIGINT on
+# ignored, and a Python started so never raises KeyboardInterrupt
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from kivi_jax import cli
 
 def forever(args):
@@ -31,10 +34,8 @@ sys.exit(cli.main(["generate", "--prompt", "hi"]))
 
 def start_worker() -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    # SIGINT back to its default in the child: a test run started in the background (`cmd &`) ignores SIGINT, and a
-    # Python started with it ignored never raises KeyboardInterrupt
     p = subprocess.Popen([sys.executable, "-c", WORKER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         stderr=subprocess.PIPE)
     assert p.stdout.read(6) == b"token ", p.stderr.read().decode()  # it is streaming
     return p
 
