@@ -28,6 +28,7 @@ if MODE == "distributed":
 
     _sharding.initialize_distributed(f"localhost:{sys.argv[2]}", 2, int(sys.argv[3]))
 
+import contextlib  # noqa: E402
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
@@ -40,6 +41,9 @@ from kivi_jax.cache import make_cache  # noqa: E402
 from kivi_jax.generate import generate  # noqa: E402
 from kivi_jax.models.config import LlamaConfig  # noqa: E402
 from kivi_jax.models.llama import forward, init_params  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_target import cuda_target  # noqa: E402
 
 KIVI = "k2v2-g32-r32"  # kivi2 with a short ring, so the quantized stores and a key flush are exercised
 MAX_TOKENS = 128
@@ -233,7 +237,7 @@ def check_lowering() -> list[dict]:
                 if impl == "pallas":  # the real kernel, as on a GPU
                     flash_decoding.interpret_default = lambda interpret: False
                 try:
-                    with sharding.use_mesh(mesh):
+                    with sharding.use_mesh(mesh), (cuda_target(mesh) if impl == "pallas" else contextlib.nullcontext()):
                         decode = jax.jit(lambda p, t, c: forward(p, t[:, :1], c))
                         text = decode.trace(params, tokens, cache).lower(lowering_platforms=(platform,)).as_text()
                         row["decode_ok"] = True

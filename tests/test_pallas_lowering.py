@@ -12,12 +12,15 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import forward, init_params
 from kivi_jax.pallas_kernels import flash_decoding, full_decode, kivi_decode
 
+from gpu_target import cuda_target
+
 TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")  # the custom-call target, old and new jaxlibs
 
 
 def lowered_for_cuda(fn, *args) -> str:
     try:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        with cuda_target():  # jax 0.11 needs a GPU's compute capability to lower Triton: an H200's
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     except RuntimeError as e:  # jaxlibs after 0.10.2 compile the Triton IR while lowering: that needs CUDA's plugin
         if "Triton compilation handler" in str(e):
             pytest.skip(f"this jaxlib compiles Triton kernels at lowering time, which needs the CUDA plugin: {e}")
