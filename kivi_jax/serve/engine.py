@@ -209,13 +209,6 @@ class Engine:
         self.spec = parse_cache_spec(cache)
         if self.spec != "full":
             self.spec.check_shapes(cfg.head_dim, max_length)
-        params = rotation.prepare_params(params, self.spec)
-        self.mesh = mesh
-        if mesh is not None:
-            params = sharding.shard_params(params, mesh)
-        self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
-        self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
-        self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         # Slots in groups of `decode_group` (default: one group of all), each group its own batch cache: a decode
         # step runs one jitted call per group holding a live slot, so idle groups cost nothing.
         group = min(decode_group or slots, slots)
@@ -224,6 +217,13 @@ class Engine:
             raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
                              f"data axis ({data}), so its slots split evenly over the data shards; give slots and "
                              f"--decode-group that are multiples of {data}")
+        params = rotation.prepare_params(params, self.spec)
+        self.mesh = mesh
+        if mesh is not None:
+            params = sharding.shard_params(params, mesh)
+        self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
+        self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
+        self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh)
                        for _, n in self.groups]
         self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
