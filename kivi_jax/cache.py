@@ -494,8 +494,8 @@ def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array
     is_new = (pos >= length[:, None])[:, None, :, None]
     # two gathers of the n rows and a select (concatenating ring and new tokens first copied the whole ring)
     from_ring = jnp.take_along_axis(ring, jnp.mod(pos, r)[:, None, :, None], axis=2)
-    from_new = jnp.take_along_axis(new.astype(ring.dtype), jnp.clip(pos - length[:, None], 0, tokens - 1)[:, None, :, None],
-                                   axis=2)
+    new_idx = jnp.clip(pos - length[:, None], 0, tokens - 1)
+    from_new = jnp.take_along_axis(new.astype(ring.dtype), new_idx[:, None, :, None], axis=2)
     return jnp.where(is_new, from_new, from_ring)
 
 

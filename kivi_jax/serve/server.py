@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kivi_jax import sharding
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK, Engine, capacity_report
 from kivi_jax.serve.scheduler import Scheduler
@@ -60,8 +61,6 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     except ImportError as e:
         raise RuntimeError(f"serving needs FastAPI and uvicorn ({e}): pip install 'kivi-jax[serve]'") from e
 
-    from kivi_jax import sharding
-
     mesh = sharding.resolve_mesh(mesh)
     params, tokenizer = model.params, model.tokenizer
     spec = parse_cache_spec(cache)
@@ -75,8 +74,6 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
         capacity.pop("budget_bytes")
         for part in ("cache", "full"):
             capacity[part].pop("slots")
-        if mesh is not None:
-            capacity["mesh"] = sharding.mesh_sizes(mesh)
         slots = DEFAULT_SLOTS if slots is None else slots
     else:
         slots = capacity["cache"]["slots"]
@@ -85,8 +82,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                     f"{capacity['cache']['slot_bytes_per_device']} bytes of each device for one slot a data shard")
             raise ValueError(f"a cache budget of {cache_budget} bytes fits no slot of {max_length} tokens of "
                              f"{spec_name(spec)} ({need}); raise the budget or lower --max-length")
-        if mesh is not None:
-            capacity["mesh"] = sharding.mesh_sizes(mesh)
+    if mesh is not None:
+        capacity["mesh"] = sharding.mesh_sizes(mesh)
     capacity["slots"] = slots
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh)
