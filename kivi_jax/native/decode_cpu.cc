@@ -11,239 +11,14 @@
 // through XLA's intra-op thread pool (the FFI ThreadPool), the calling thread working too; a combine merges the
 // partial softmaxes with the new token.
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <limits>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <vector>
-
-#include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-namespace ffi = xla::ffi;
+#include "simd.h"
 
 namespace {
 
-// Lanes a vector: 16 with AVX-512 (one register), else 8 (one AVX2 register; wider generic vectors are lowered
-// badly without AVX-512).
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#else
-constexpr int W = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * W)));
-typedef int32_t vi __attribute__((vector_size(4 * W)));
-typedef uint8_t vb __attribute__((vector_size(W)));
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_ROWS = 4;    // query rows a work item holds (n_rep is split into blocks of at most this)
 constexpr int MAX_CHUNK = 128;  // tokens scored at once (one key group; ring and full-precision chunks)
 
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline vf vsplat(float x) { return vf{} + x; }
 
-inline float hsum(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-#endif
-}
-
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-// exp for float32 vectors (Cephes expf: range reduction by ln 2 in two parts and a degree-5 polynomial; about 1 ulp
-// for x in [-87, 88]; inputs below -87 give (almost) 0, callers mask what must be exactly 0).
-inline vf vexp(vf x) {
-  const vf hi = vsplat(88.3762626647949f), lo = vsplat(-87.3365447505531f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  vf fx = x * 1.44269504088896341f + 0.5f;
-  vi n = __builtin_convertvector(fx, vi);
-  vf fn = __builtin_convertvector(n, vf);
-  n = fn > fx ? n - 1 : n;  // floor
-  fn = __builtin_convertvector(n, vf);
-  x = x - fn * 0.693359375f;
-  x = x - fn * -2.12194440e-4f;
-  vf z = x * x;
-  vf y = vsplat(1.9875691500E-4f);
-  y = y * x + 1.3981999507E-3f;
-  y = y * x + 8.3334519073E-3f;
-  y = y * x + 4.1665795894E-2f;
-  y = y * x + 1.6666665459E-1f;
-  y = y * x + 5.0000001201E-1f;
-  y = y * z + x + 1.0f;
-  vi bits = (n + 127) << 23;
-  vf pow2;
-  std::memcpy(&pow2, &bits, sizeof(pow2));
-  return y * pow2;
-}
-
-// Codes of W consecutive bytes, widened to int32 lanes.
-inline vi widen(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  vb b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vi);  // (GCC 12 builds this lane by lane: the intrinsics above avoid that)
-#endif
-}
-
-// Scales and mins: float16, bfloat16 or float32 in the cache, float32 here.
-enum ScaleType { F16 = 0, BF16 = 1, F32 = 2 };
-
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000 | (man << 13);
-  } else if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      int e = -1;
-      do {
-        ++e;
-        man <<= 1;
-      } while (!(man & 0x400));
-      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-    }
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | man << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline void load_scales(const void* base, int64_t offset, int n, ScaleType t, float* out) {
-  if (t == F32) {
-    std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float));
-    return;
-  }
-  const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-  int i = 0;
-  if (t == F16) {
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-#endif
-    for (; i < n; ++i) out[i] = half_to_float(p[i]);
-  } else {
-    uint32_t* o = reinterpret_cast<uint32_t*>(out);
-    for (; i < n; ++i) o[i] = (uint32_t)p[i] << 16;
-  }
-}
-
-// Sums of W vectors' lanes: lane j of the result is the sum of v[j]'s lanes. A transpose-and-add tree on AVX-512
-// (15 adds, 30 shuffles, one permute, for 16 sums), lane by lane elsewhere.
-#if defined(__AVX512F__)
-struct Reduce16 {
-  __m512i order;  // result lane j <- tree lane order[j]
-  Reduce16() {
-    vf v[16];
-    for (int i = 0; i < 16; ++i) v[i] = vsplat((float)i);
-    vf t = tree(v);
-    int32_t idx[16];
-    for (int j = 0; j < 16; ++j)
-      for (int l = 0; l < 16; ++l)
-        if ((int)(t[l] / 16.0f + 0.5f) == j) idx[j] = l;
-    std::memcpy(&order, idx, sizeof(order));
-  }
-  static vf tree(const vf* v) {
-    __m512 w[8], x[4], y[2];
-    for (int i = 0; i < 8; ++i) {
-      __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
-      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    }
-    for (int i = 0; i < 4; ++i)
-      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-      y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))),
-                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))));
-    return (vf)_mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  }
-  vf operator()(const vf* v) const { return (vf)_mm512_permutexvar_ps(order, (__m512)tree(v)); }
-};
-#else
-struct Reduce16 {  // W = 8 here: lane j of the result is the sum of v[j]'s lanes
-  vf operator()(const vf* v) const {
-    vf out;
-    for (int j = 0; j < W; ++j) out[j] = hsum(v[j]);
-    return out;
-  }
-};
-#endif
-const Reduce16 reduce16;
-
-// ---------------------------------------------------------------------------------------------------------------------
-// Work sharing on XLA's intra-op pool: the caller claims items too and waits only for items already claimed, so it
-// never waits on a task the pool has not started (the pool may be busy, have one thread, or run tasks inline).
-
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-  std::function<void(int64_t)> fn;
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void work() {
-    for (;;) {
-      int64_t i = next.fetch_add(1);
-      if (i >= total) return;
-      fn(i);
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
-int thread_limit() {
-  const char* env = std::getenv("KIVI_JAX_NATIVE_THREADS");
-  return env ? std::max(1, std::atoi(env)) : 0;
-}
-
-int64_t worker_count(ffi::ThreadPool& pool) {
-  int64_t n = std::max<int64_t>(pool.num_threads(), 1);
-  int limit = thread_limit();
-  return limit ? std::min<int64_t>(n, limit) : n;
-}
-
-void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  auto shared = std::make_shared<Shared>();
-  shared->total = total;
-  shared->fn = std::move(fn);
-  int64_t helpers = std::min<int64_t>(worker_count(pool), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
-}
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Online softmax over one chunk of scores, for NR query rows; values are added by the caller with the returned p.
@@ -507,7 +282,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         }
         for (int r = 0; r < NR; ++r) {
           for (int i = m; i < W; ++i) partial[r][i] = vf{};
-          vstore(scores[r] + i0, reduce16(partial[r]));
+          vstore(scores[r] + i0, reduce_lanes(partial[r]));
         }
       }
     } else {
@@ -533,7 +308,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         }
         for (int r = 0; r < NR; ++r) {
           for (int i = m; i < W; ++i) partial[r][i] = vf{};
-          vstore(scores[r] + i0, reduce16(partial[r]) + bias[r]);
+          vstore(scores[r] + i0, reduce_lanes(partial[r]) + bias[r]);
         }
       }
     }
@@ -685,7 +460,7 @@ void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
       }
       for (int r = 0; r < NR; ++r) {
         for (int i = m; i < W; ++i) partial[r][i] = vf{};
-        vstore(scores[r] + i0, reduce16(partial[r]));
+        vstore(scores[r] + i0, reduce_lanes(partial[r]));
       }
     }
     st.update(scores, p, n);
