@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import weights
 from .attention import causal_attention
 from .config import LlamaConfig
 from .protocol import BAD_TOKEN, POISON, CacheCapacityError, KVCache
@@ -17,7 +18,8 @@ from .protocol import BAD_TOKEN, POISON, CacheCapacityError, KVCache
 
 @struct.dataclass
 class LayerParams:
-    """One decoder layer's weights, each stacked on a leading `[layers]` axis; projections are `[in, out]`."""
+    """One decoder layer's weights, each stacked on a leading `[layers]` axis; projections are `[in, out]` float
+    arrays or quantized matrices of that shape (models/weights.py)."""
 
     attn_norm: jax.Array  # [layers, hidden]
     wq: jax.Array  # [layers, hidden, q_heads * head_dim]
@@ -32,9 +34,10 @@ class LayerParams:
 
 @struct.dataclass
 class Params:
-    """All weights of a model, with its config as a static field."""
+    """All weights of a model, with its config as a static field. Weights are float arrays in the compute dtype or
+    quantized matrices (`kivi_jax.weights`: GGUF blocks, int8, int4); norms are always float."""
 
-    embed: jax.Array  # [vocab, hidden]
+    embed: jax.Array  # [vocab, hidden] (a quantized table: one row a token)
     layers: LayerParams
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
@@ -43,7 +46,8 @@ class Params:
 
     @property
     def dtype(self):
-        return self.embed.dtype
+        """The compute dtype (of the activations and every float leaf; norms are never quantized)."""
+        return self.final_norm.dtype
 
 
 def param_shapes(cfg: LlamaConfig) -> dict:
@@ -125,8 +129,9 @@ def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, std: float 
 
 
 def cast_params(params: Params, dtype) -> Params:
-    """The same parameters in another compute dtype."""
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+    """The same parameters in another compute dtype (quantized matrices keep their codes and scales)."""
+    return jax.tree_util.tree_map(lambda a: a if weights.is_quantized(a) else a.astype(dtype), params,
+                                  is_leaf=weights.is_quantized)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -274,29 +279,38 @@ def forward(
     rope = Rotary(rope_inv_freq(cfg))
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
+    dot = weights.dot
+    # Float leaves are sliced by the scan; quantized ones stay whole and are read at the layer index (no copy).
+    sliced, whole = weights.split_stacked(params.layers)
+
     def layer_step(x, xs):
         lp, layer = xs
+        lp = weights.join_layer(lp, whole, layer)
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q = (h @ lp.wq).reshape(batch, n_tok, heads, head_dim)
-        k = (h @ lp.wk).reshape(batch, n_tok, kv_heads, head_dim)
-        v = (h @ lp.wv).reshape(batch, n_tok, kv_heads, head_dim)
+        q, k, v = weights.dot_many(h, (lp.wq, lp.wk, lp.wv))
+        q = q.reshape(batch, n_tok, heads, head_dim)
+        k = k.reshape(batch, n_tok, kv_heads, head_dim)
+        v = v.reshape(batch, n_tok, kv_heads, head_dim)
         attn, update = cache.attend(layer, rope(q, positions), k, v, positions, rope, num_new, cfg.sliding_window)
-        x = x + attn.reshape(batch, n_tok, heads * head_dim) @ lp.wo
+        x = x + dot(attn.reshape(batch, n_tok, heads * head_dim), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+        gate, up = weights.dot_many(h, (lp.w_gate, lp.w_up))
+        x = x + dot(jax.nn.silu(gate) * up, lp.w_down)
         return x, update
 
-    x = params.embed[jnp.clip(tokens, 0, cfg.vocab_size - 1)].astype(dtype)  # [batch, T, hidden]
+    x = weights.table_rows(params.embed, jnp.clip(tokens, 0, cfg.vocab_size - 1), dtype)  # [batch, T, hidden]
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     # The cache is only read inside the loop; every layer's update comes out stacked and is written once after it.
-    x, updates = jax.lax.scan(layer_step, x, (params.layers, layer_ids))
+    x, updates = jax.lax.scan(layer_step, x, (sliced, layer_ids))
     cache = cache.commit(updates, num_new)
     cache = cache.replace(error_flags=cache.error_flags | jnp.where(bad_tokens, BAD_TOKEN, 0).astype(jnp.int32))
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)  # [batch, 1, hidden]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    if params.lm_head is None:
+        logits = weights.dot_table(x, params.embed)  # [batch, T, vocab] float32
+    else:
+        logits = weights.dot_head(x, params.lm_head)
     poisoned = (cache.error_flags & POISON) != 0  # [batch]
     logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
     return logits, (cache if given is not None else None)

@@ -231,6 +231,12 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     runs = {f"{impl}-{spec}": kivi_jax.generate(params, [[3, 4, 5]], attention_impl=impl, cache=spec, **kw).token_ids
             for impl in ("auto", "native", "xla") for spec in ("kivi2", "full")}
+    # quantized weights take the native matmul when it built: without it, the XLA path's tokens
+    from kivi_jax import weights
+    quantized = weights.convert_params(params, "int4-g64")
+    for impl in ("auto", "xla"):
+        runs[f"weights-{impl}"] = kivi_jax.generate(weights.with_impl(quantized, impl), [[3, 4, 5]], cache="kivi2",
+                                                    **kw).token_ids
 msgs = [str(w.message) for w in caught if "native CPU kernels unavailable" in str(w.message)]
 print(json.dumps({"runs": runs, "warnings": msgs}))
 """
@@ -250,6 +256,7 @@ def test_a_failing_build_falls_back_to_the_xla_path_with_one_warning(tmp_path):
     runs = got["runs"]
     for spec in ("kivi2", "full"):
         assert runs[f"auto-{spec}"] == runs[f"native-{spec}"] == runs[f"xla-{spec}"]
+    assert runs["weights-auto"] == runs["weights-xla"]
     assert not any((tmp_path / "cache").rglob("*.so"))  # nothing half-built left behind
 
 

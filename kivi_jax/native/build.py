@@ -1,9 +1,9 @@
-"""Build, cache, load and register the C++ CPU decode kernels (XLA FFI handlers in `decode_cpu.cc`).
+"""Build, cache, load and register the C++ CPU kernels (XLA FFI handlers in `decode_cpu.cc` and `matmul_cpu.cc`).
 
-On first use the source is compiled with the system C++ compiler (`$CXX`, else `g++`, else `c++`) against the FFI
+On first use the sources are compiled with the system C++ compiler (`$CXX`, else `g++`, else `c++`) against the FFI
 headers jaxlib ships (`jax.ffi.include_dir()`): `-O3 -march=native -shared -fPIC -std=c++17`, or without
 `-march=native` when the compiler refuses it. The shared library is cached under `<cache root>/native/` (the root is
-`$KIVI_JAX_CACHE`, else `~/.cache/kivi_jax`), named by a hash of the source, the flags, the compiler, the jaxlib
+`$KIVI_JAX_CACHE`, else `~/.cache/kivi_jax`), named by a hash of the sources, the flags, the compiler, the jaxlib
 version and the CPU's features, and written to a temporary name first and renamed into place, so concurrent processes
 never load a half-written file; a build holds a file lock, so processes starting together compile it once. It is loaded with ctypes and its handlers registered with
 `jax.ffi.register_ffi_target(..., platform="cpu")`.
@@ -26,8 +26,11 @@ import threading
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("decode_cpu.cc")
-TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode"}
+HERE = Path(__file__).parent
+SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc")  # compiled into one library
+HEADERS = (HERE / "simd.h",)
+TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode",
+           "kivi_jax_qmatmul": "KiviJaxQMatmul"}
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")
@@ -73,25 +76,25 @@ def cache_dir() -> Path:
 
 
 def library_path(cxx: str, flags: tuple[str, ...]) -> Path:
-    """Where the library built from this source, with these flags, for this jaxlib and this CPU lives."""
+    """Where the library built from these sources, with these flags, for this jaxlib and this CPU lives."""
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), cxx.encode(), jaxlib.__version__.encode(),
-                 cpu_features().encode()):
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(flags).encode(), cxx.encode(),
+                 jaxlib.__version__.encode(), cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"decode_cpu-{key.hexdigest()[:20]}.so"
 
 
 def compile_library(cxx: str, flags: tuple[str, ...], out: Path) -> None:
-    """Compiles the source into `out` (via a temporary file in the same folder and an atomic rename)."""
+    """Compiles the sources into `out` (via a temporary file in the same folder and an atomic rename)."""
     import jax
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)

@@ -1,0 +1,50 @@
+"""The native quantized-weight matmul as a jax function: `y = x M^T` for a `kivi_jax.weights.QuantizedMatrix`, run
+through `jax.ffi.ffi_call` on the CPU backend (`matmul_cpu.cc`); its pure-jnp twin is the matrix's XLA path
+(dequantize, then dot). The stacked `[layers, rows, ...]` leaves are operands read in place at the layer index.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.native import build
+
+MAX_ROWS = 32  # activation rows the kernel takes (decode steps); longer chunks (prefill) use XLA's dot
+BITS = (4, 8)
+
+
+def unsupported(w, rows: int, x_dtype) -> str | None:
+    """Why the native kernel cannot compute `x M^T` for this matrix and `rows` activation rows, or None."""
+    if w.bits not in BITS:
+        return f"the kernel reads {BITS}-bit codes, not {w.bits}"
+    if rows > MAX_ROWS:
+        return f"{rows} activation rows is more than the kernel's {MAX_ROWS} (a prefill chunk: XLA's dot)"
+    if jnp.dtype(x_dtype) != jnp.float32:
+        return f"the kernel computes in float32, not {jnp.dtype(x_dtype).name}"
+    if w.bits == 4 and w.group % 2:
+        return f"4-bit groups of {w.group} columns must be even"
+    return None
+
+
+def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
+    """`x [n, cols]` float32 times `M^T` of each quantized matrix in `ws` (matrices sharing their input, e.g. q, k
+    and v; each one layer, or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call."""
+    if build.load() is None:
+        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
+    operands, results = [], []
+    layer = next((w.layer for w in ws if w.layer is not None), None)
+    if any((w.layer is None) != (layer is None) for w in ws):
+        raise ValueError("matrices of one call must all be read at the same layer, or all be single matrices")
+    for w in ws:
+        stack = (lambda a: a) if w.codes.ndim == 3 else (lambda a: a[None])
+        codes, scale = stack(w.codes), stack(w.scale)
+        mn = jnp.zeros((0,), scale.dtype) if w.mn is None else stack(w.mn)
+        operands += [codes, scale, mn]
+        results.append(jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32))
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call("kivi_jax_qmatmul", tuple(results))
+    return tuple(call(x.astype(jnp.float32), layer, *operands, bits=np.array([w.bits for w in ws], np.int64),
+                      group=np.array([w.group for w in ws], np.int64),
+                      offset=np.array([w.offset for w in ws], np.int64)))

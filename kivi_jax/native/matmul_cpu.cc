@@ -1,0 +1,386 @@
+// Quantized-weight matmul on the CPU, an XLA FFI handler: y = x M^T for a matrix M [R, C] stored row by row in
+// groups of G columns (docs/design.md §13, docs/kernels.md "Quantized weights").
+//
+// The contract is kivi_jax.weights.QuantizedMatrix.matmul_t's XLA path (dequantize, then dot): M[r, c] =
+// (code[r, c] - offset) * scale[r, c / G] + min[r, c / G], with 8-bit codes (int8, one a byte) or 4-bit codes (two a
+// byte: byte j of a group holds code j in its low nibble and code j + G/2 in its high one, GGUF's layout), scales and
+// mins float16 or float32, no min for symmetric formats. Float activations times dequantized weights, float32 sums:
+// y[n, r] = Σ_g scale[r, g] Σ_{c in g} code[r, c] x[n, c] + Σ_g (min - offset * scale)[r, g] Σ_{c in g} x[n, c], the
+// activations' group sums computed once a call. The codes are widened to float in registers; for one or two
+// activation rows several groups of a row go at once, so enough FMA chains are in flight (`row_dots`).
+//
+// Each weight row is read once per call whatever the batch: work items are blocks of rows shared out on XLA's
+// intra-op thread pool; an item walks its rows for every tile of up to TILE activation rows, the tiles after the
+// first reading the item's codes from cache. The stacked [layers, R, ...] leaves are read in place at the layer index.
+
+#include "simd.h"
+
+namespace {
+
+constexpr int TILE = 8;           // activation rows a pass holds in registers
+constexpr int64_t ITEM_ROWS = 16;  // weight rows a work item takes
+constexpr int64_t PREFETCH_ROWS = 4;  // how far ahead of the rows in use their codes are requested
+
+// W codes of 8-bit weights at p, as float lanes.
+inline vf codes8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return __builtin_convertvector((vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), vf);
+#elif defined(__AVX2__)
+  return __builtin_convertvector((vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), vf);
+#else
+  vf out;
+  for (int i = 0; i < W; ++i) out[i] = (float)p[i];
+  return out;
+#endif
+}
+
+struct QArgs {
+  const float* x;     // [N, C] activations
+  const uint8_t* codes;  // [R, C * bits / 8] at the layer
+  const void* scale;  // [R, NG] at the layer
+  const void* mn;     // [R, NG] at the layer, or null
+  ScaleType st;
+  int64_t N, R, C, NG, G;
+  int offset;
+  const float* xsum;  // [N, NG] the activations' sums over each group
+  float* y;  // [N, R]
+};
+
+// One scale or min (element i of a float16, bfloat16 or float32 array) as a float.
+inline float scalar_at(const void* base, int64_t i, ScaleType t) {
+  if (t == F32) return static_cast<const float*>(base)[i];
+  uint16_t h = static_cast<const uint16_t*>(base)[i];
+  if (t == BF16) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+// W codes of a group as float lanes: 4-bit codes j .. j + W - 1 (low nibbles, `high` false) or j + G/2 .. (high
+// nibbles) from the group's bytes p + j; 8-bit codes j .. j + W - 1 from p + j.
+template <int BITS>
+inline void decode(const uint8_t* p, vf& lo, vf& hi) {
+  if (BITS == 4) {
+    const vi c = widen(p);
+    lo = __builtin_convertvector(c & (vi{} + 0xF), vf);
+    hi = __builtin_convertvector(c >> 4, vf);
+  } else {
+    lo = codes8(reinterpret_cast<const int8_t*>(p));
+  }
+}
+
+// Weight row r against NT activation rows n0 .. n0 + NT - 1 -> dots[t], groups of GS columns (0: the runtime a.G),
+// with the mins' part when MINS (an asymmetric or offset format). The row is read once, front to back. Two ways to
+// apply a group's scale, by what fits in registers:
+// - one or two activation rows: GU consecutive groups at once, each group's dot summed unscaled in its own FMA chain
+//   (so the FMA latency does not bound a batch-1 matvec), then scaled once a group;
+// - more: a group's codes are scaled in registers (one multiply a lane) and multiplied into every activation row.
+template <int BITS, int GS, int NT, bool MINS>
+void row_dots(const QArgs& a, int64_t r, int64_t n0, float* dots) {
+  constexpr int GU = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // groups in flight at once
+  const int64_t G = GS ? GS : a.G, row_bytes = a.C * BITS / 8, NG = a.NG, C = a.C;
+  const int64_t group_bytes = G * BITS / 8, half = G / 2;
+  const int64_t steps = BITS == 4 ? half / W : G / W;  // whole vector steps in a group (the rest: a scalar tail)
+  const float* x = a.x + n0 * C;
+  const uint8_t* row = a.codes + r * row_bytes;
+  vf acc[NT];
+  float tail[NT];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) acc[t] = vf{}, tail[t] = 0.0f;
+  int64_t g = 0;
+  auto scales = [&](int64_t g, float& sc) {
+    const int64_t i = r * NG + g;
+    sc = scalar_at(a.scale, i, a.st);
+    if (MINS) {  // the group's min (and offset) times the activations' group sum
+      const float mf = (a.mn ? scalar_at(a.mn, i, a.st) : 0.0f) - a.offset * sc;
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) tail[t] += mf * a.xsum[(n0 + t) * NG + g];
+    }
+  };
+  auto scalar_tail = [&](int64_t g, float sc) {  // columns past a group's whole steps
+    const uint8_t* cg = row + g * group_bytes;
+    const float* xg = x + g * G;
+    for (int64_t j = steps * W; j < (BITS == 4 ? half : G); ++j) {
+      if (BITS == 4) {
+        const float lo = (cg[j] & 0xF) * sc, hi = (cg[j] >> 4) * sc;
+        for (int t = 0; t < NT; ++t) tail[t] += lo * xg[t * C + j] + hi * xg[t * C + j + half];
+      } else {
+        const float w = (float)(int8_t)cg[j] * sc;
+        for (int t = 0; t < NT; ++t) tail[t] += w * xg[t * C + j];
+      }
+    }
+  };
+  if (GU > 1) {
+    for (; g + GU <= NG; g += GU) {
+      vf part[GU][NT];
+      float sc[GU];
+#pragma GCC unroll 4
+      for (int u = 0; u < GU; ++u) {
+        scales(g + u, sc[u]);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) part[u][t] = vf{};
+      }
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < steps; ++k) {
+        const int64_t j = k * W;
+#pragma GCC unroll 4
+        for (int u = 0; u < GU; ++u) {
+          vf lo, hi;
+          decode<BITS>(row + (g + u) * group_bytes + j, lo, hi);
+          const float* xg = x + (g + u) * G;
+#pragma GCC unroll 8
+          for (int t = 0; t < NT; ++t) {
+            part[u][t] += lo * vload(xg + t * C + j);
+            if (BITS == 4) part[u][t] += hi * vload(xg + t * C + j + half);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int u = 0; u < GU; ++u) {
+        const vf s = vsplat(sc[u]);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) acc[t] += part[u][t] * s;
+        scalar_tail(g + u, sc[u]);
+      }
+    }
+  }
+  for (; g < NG; ++g) {  // one group at a time: the codes scaled in registers
+    float sc;
+    scales(g, sc);
+    const vf s = vsplat(sc);
+    const float* xg = x + g * G;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < steps; ++k) {
+      const int64_t j = k * W;
+      vf lo, hi;
+      decode<BITS>(row + g * group_bytes + j, lo, hi);
+      lo *= s;
+      if (BITS == 4) hi *= s;
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        acc[t] += lo * vload(xg + t * C + j);
+        if (BITS == 4) acc[t] += hi * vload(xg + t * C + j + half);
+      }
+    }
+    scalar_tail(g, sc);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) dots[t] = hsum(acc[t]) + tail[t];
+}
+
+// Weight row r against one activation row (a matvec, the batch-1 decode step): W consecutive groups at once, each
+// group's dot summed unscaled in its own FMA chain, the W dots gathered into one vector's lanes (`reduce_lanes`), then
+// scaled and given their mins with one FMA each for all W groups. Groups past the last whole W are padded with zeros.
+template <int BITS, int GS, ScaleType ST>
+void row_dot1(const QArgs& a, int64_t r, int64_t n0, float* dots) {
+  const int64_t row_bytes = a.C * BITS / 8, NG = a.NG;
+  constexpr int64_t group_bytes = GS * BITS / 8, half = GS / 2;
+  constexpr int64_t steps = BITS == 4 ? half / W : GS / W;
+  static_assert(steps >= 1 && (BITS == 4 ? half % W : GS % W) == 0, "whole vector steps a group");
+  const float* x = a.x + n0 * a.C;
+  const float* xs = a.xsum + n0 * NG;
+  const uint8_t* row = a.codes + r * row_bytes;
+  auto group_dot = [&](int64_t g) {  // one group's unscaled dot, as a vector of partial sums
+    const uint8_t* cg = row + g * group_bytes;
+    const float* xg = x + g * GS;
+    vf part = vf{};
+#pragma GCC unroll 8
+    for (int64_t k = 0; k < steps; ++k) {
+      vf lo, hi;
+      decode<BITS>(cg + k * W, lo, hi);
+      part += lo * vload(xg + k * W);
+      if (BITS == 4) part += hi * vload(xg + k * W + half);
+    }
+    return part;
+  };
+  const vf offset = vsplat((float)a.offset);
+  vf acc = vf{}, acc_min = vf{};
+  int64_t g0 = 0;
+  for (; g0 + W <= NG; g0 += W) {
+    vf part[W];
+#pragma GCC unroll 16
+    for (int u = 0; u < W; ++u) part[u] = group_dot(g0 + u);
+    const vf s = scales_at<ST>(a.scale, r * NG + g0);
+    acc += reduce_lanes(part) * s;
+    const vf m = a.mn ? scales_at<ST>(a.mn, r * NG + g0) : vf{};
+    acc_min += (m - s * offset) * vload(xs + g0);
+  }
+  float tail = 0.0f;
+  for (; g0 < NG; ++g0) {  // the groups past the last whole W
+    const float sg = scalar_at(a.scale, r * NG + g0, ST);
+    const float mg = (a.mn ? scalar_at(a.mn, r * NG + g0, ST) : 0.0f) - a.offset * sg;
+    tail += hsum(group_dot(g0)) * sg + mg * xs[g0];
+  }
+  dots[0] = hsum(acc + acc_min) + tail;
+}
+
+template <int BITS, int GS>
+void row_dot1_any(const QArgs& a, int64_t r, int64_t n0, float* dots) {  // the scale type picked per call
+  if (a.st == F16) row_dot1<BITS, GS, F16>(a, r, n0, dots);
+  else if (a.st == F32) row_dot1<BITS, GS, F32>(a, r, n0, dots);
+  else row_dot1<BITS, GS, BF16>(a, r, n0, dots);
+}
+
+using RowFn = void (*)(const QArgs&, int64_t, int64_t, float*);
+
+template <int BITS, int GS, bool MINS>
+RowFn pick(int nt) {
+  switch (nt) {
+    case 1: return row_dots<BITS, GS, 1, MINS>;
+    case 2: return row_dots<BITS, GS, 2, MINS>;
+    case 3: return row_dots<BITS, GS, 3, MINS>;
+    case 4: return row_dots<BITS, GS, 4, MINS>;
+    case 5: return row_dots<BITS, GS, 5, MINS>;
+    case 6: return row_dots<BITS, GS, 6, MINS>;
+    case 7: return row_dots<BITS, GS, 7, MINS>;
+    default: return row_dots<BITS, GS, 8, MINS>;
+  }
+}
+
+// The kernel for these bits, group size and mins: compile-time groups for the shipped formats' 32, 64 and 128
+// columns (4-bit, always with a min or an offset) and 32 (8-bit, Q8_0), the runtime group size otherwise (int8's one
+// group a row, symmetric).
+RowFn row_kernel(int bits, int64_t group, bool mins, int nt) {
+  if (nt == 1 && bits == 4 && group % (2 * W) == 0 && group <= 128) {  // a matvec over whole-vector groups
+    if (group == 32) return row_dot1_any<4, 32>;
+    if (group == 64) return row_dot1_any<4, 64>;
+    if (group == 128) return row_dot1_any<4, 128>;
+  }
+  if (nt == 1 && bits == 8 && group == 32) return row_dot1_any<8, 32>;
+  if (bits == 4) {
+    if (group == 32) return pick<4, 32, true>(nt);
+    if (group == 64) return pick<4, 64, true>(nt);
+    if (group == 128) return pick<4, 128, true>(nt);
+    return pick<4, 0, true>(nt);
+  }
+  if (mins) return pick<8, 0, true>(nt);
+  return group == 32 ? pick<8, 32, false>(nt) : pick<8, 0, false>(nt);
+}
+
+// Requests rows [r, r + n) of the codes, scales and mins into the cache ahead of their use: the hardware prefetcher
+// alone left a DRAM-resident matrix (the output head) at a third of the memory bandwidth.
+inline void prefetch_rows(const QArgs& a, int64_t r, int n, int64_t row_bytes, int64_t scale_bytes) {
+  if (r + n > a.R) return;
+  const char* c = reinterpret_cast<const char*>(a.codes) + r * row_bytes;
+  for (int64_t i = 0; i < n * row_bytes; i += 64) __builtin_prefetch(c + i);
+  const char* s = static_cast<const char*>(a.scale) + r * scale_bytes;
+  for (int64_t i = 0; i < n * scale_bytes; i += 64) __builtin_prefetch(s + i);
+  if (a.mn) {
+    const char* m = static_cast<const char*>(a.mn) + r * scale_bytes;
+    for (int64_t i = 0; i < n * scale_bytes; i += 64) __builtin_prefetch(m + i);
+  }
+}
+
+// Rows [r0, r1) of y for every activation row.
+void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
+  float dots[TILE];
+  const bool mins = a.mn || a.offset;
+  const int64_t row_bytes = a.C * bits / 8, scale_bytes = a.NG * (a.st == F32 ? 4 : 2);
+  for (int64_t n0 = 0; n0 < a.N; n0 += TILE) {
+    const int nt = (int)std::min<int64_t>(TILE, a.N - n0);
+    const RowFn fn = row_kernel(bits, a.G, mins, nt);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (n0 == 0) prefetch_rows(a, r + PREFETCH_ROWS, 1, row_bytes, scale_bytes);
+      fn(a, r, n0, dots);
+      for (int t = 0; t < nt; ++t) a.y[(n0 + t) * a.R + r] = dots[t];
+    }
+  }
+}
+
+// One matrix of a call, checked: its QArgs (x, y and xsum set by the caller) and bits.
+ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer mn, int64_t layer, int64_t N,
+                       int64_t C, int64_t bits, int64_t group, int64_t offset, QArgs& a) {
+  auto cd = codes.dimensions(), sd = scale.dimensions(), md = mn.dimensions();
+  if (cd.size() != 3 || sd.size() != 3) return ffi::Error::InvalidArgument("qmatmul: codes and scales must be [L, R, .]");
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("qmatmul: bits must be 4 or 8");
+  a.N = N;
+  a.C = C;
+  a.R = cd[1];
+  a.NG = sd[2];
+  a.G = group;
+  a.offset = (int)offset;
+  const int64_t L = cd[0];
+  if (a.G <= 0 || a.C != a.G * a.NG || cd[2] != a.C * bits / 8 || sd[0] != L || sd[1] != a.R ||
+      (bits == 4 && a.G % 2))
+    return ffi::Error::InvalidArgument("qmatmul: codes [L, R, C * bits / 8] and scales [L, R, C / G] disagree with x");
+  auto et = scale.element_type();
+  if (et == ffi::DataType::F16) a.st = F16;
+  else if (et == ffi::DataType::BF16) a.st = BF16;
+  else if (et == ffi::DataType::F32) a.st = F32;
+  else return ffi::Error::InvalidArgument("qmatmul: scales must be float16, bfloat16 or float32");
+  const bool has_min = md.size() == 3 && md[0] == L && md[1] == a.R && md[2] == a.NG;
+  if (has_min && mn.element_type() != et) return ffi::Error::InvalidArgument("qmatmul: mins must have the scales' dtype");
+  const int64_t l = std::min<int64_t>(std::max<int64_t>(layer, 0), L - 1);
+  const int64_t scale_bytes = a.st == F32 ? 4 : 2;
+  a.codes = static_cast<const uint8_t*>(codes.untyped_data()) + l * a.R * cd[2];
+  a.scale = static_cast<const uint8_t*>(scale.untyped_data()) + l * a.R * a.NG * scale_bytes;
+  a.mn = has_min ? static_cast<const uint8_t*>(mn.untyped_data()) + l * a.R * a.NG * scale_bytes : nullptr;
+  return ffi::Error::Success();
+}
+
+// y_i = x M_i^T for every matrix i of the call (matrices sharing their input, e.g. q, k, v): their rows are shared
+// out as one pool of work items, so a call long enough to be worth a second thread is one call.
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> bits,
+                       ffi::Span<const int64_t> groups, ffi::Span<const int64_t> offsets) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x must be [N, C]");
+  const size_t M = bits.size();
+  if (M == 0 || groups.size() != M || offsets.size() != M || args.size() != 3 * M || rets.size() != M)
+    return ffi::Error::InvalidArgument("qmatmul: three operands (codes, scales, mins) and one result a matrix");
+  const int64_t N = xd[0], C = xd[1], l = layer.typed_data()[0];
+  std::vector<QArgs> mats(M);
+  std::vector<std::vector<float>> xsums(M);
+  std::vector<int64_t> first(M + 1, 0);  // first work item of each matrix
+  for (size_t i = 0; i < M; ++i) {
+    auto codes = args.get<ffi::AnyBuffer>(3 * i), scale = args.get<ffi::AnyBuffer>(3 * i + 1),
+         mn = args.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!codes.has_value() || !scale.has_value() || !mn.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("qmatmul: operands must be buffers, results float32 buffers");
+    QArgs& a = mats[i];
+    ffi::Error err = matrix_args(*codes, *scale, *mn, l, N, C, bits[i], groups[i], offsets[i], a);
+    if (err.failure()) return err;
+    if ((*y)->element_count() != (size_t)(N * a.R)) return ffi::Error::InvalidArgument("qmatmul: y must be [N, R]");
+    a.x = x.typed_data();
+    a.y = (*y)->typed_data();
+    xsums[i].resize(N * a.NG);
+    for (int64_t k = 0; k < N * a.NG; ++k) {  // group k % NG of row k / NG: rows are NG whole groups
+      const float* p = a.x + k * a.G;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < a.G; ++j) sum += p[j];
+      xsums[i][k] = sum;
+    }
+    a.xsum = xsums[i].data();
+    first[i + 1] = first[i] + (a.R + ITEM_ROWS - 1) / ITEM_ROWS;
+  }
+  parallel_for(pool, first[M], [&](int64_t it) {
+    size_t i = 0;
+    while (it >= first[i + 1]) ++i;
+    const QArgs& a = mats[i];
+    const int64_t r0 = (it - first[i]) * ITEM_ROWS;
+    item(a, (int)bits[i], r0, std::min(a.R, r0 + ITEM_ROWS));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxQMatmul, QMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [N, C]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .RemainingArgs()               // per matrix: codes [L, R, C * bits / 8] (int8 or
+                                                                 // uint8), scales [L, R, C / G], mins (or [0])
+                                  .RemainingRets()               // per matrix: y [N, R] float32
+                                  .Attr<ffi::Span<const int64_t>>("bits")
+                                  .Attr<ffi::Span<const int64_t>>("group")
+                                  .Attr<ffi::Span<const int64_t>>("offset"));

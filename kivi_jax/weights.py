@@ -1,0 +1,426 @@
+"""Weights that stay quantized (docs/design.md §13): the formats, their exact dequantization, quantizers from float,
+and the matmul every projection runs through (`models.weights.dot`).
+
+A `QuantizedMatrix` holds a matrix `M [rows, cols]` row by row in groups of G consecutive columns:
+`M[r, c] = (code[r, c] - offset) * scale[r, c // G] (+ mn[r, c // G])`, in float32 arithmetic. A projection `W [in,
+out]` is held as `M = W.T` (rows are output units, `transposed=True`), an embedding table as itself. The formats:
+
+| name | codes | G | scale / min | from |
+|---|---|---|---|---|
+| `q8_0` | int8 | 32 | float16 scale | GGUF, kept as stored |
+| `q4_0` | 4-bit, offset 8 | 32 | float16 scale | GGUF, kept as stored |
+| `q4_1` | 4-bit | 32 | float16 scale and min | GGUF, kept as stored |
+| `int8` | int8 | a row | float32 scale (symmetric, per output channel) | any float model |
+| `int4-gG` | 4-bit | G (32/64/128) | float16 scale and min (asymmetric) | any float model |
+| `int4s-gG` | 4-bit, offset 8 | G | float16 scale (symmetric) | any float model |
+
+4-bit codes are two a byte in GGUF's layout: byte j of a group holds code j in its low nibble and code j + G/2 in its
+high one. GGUF blocks dequantize bit for bit as `gguf.quants.dequantize` does.
+
+`matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.MAX_ROWS` rows of
+float32) the native kernel reads the codes once (`kivi_jax/native/matmul_cpu.cc`); otherwise (prefill chunks, GPU,
+TPU, a device mesh, `impl="xla"`) the XLA path dequantizes inside the dot. Inside the layer scan a stacked weight is
+read at the layer index (`at_layer`), never sliced.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+IMPLS = ("auto", "xla", "native")
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1")
+GROUPS = (32, 64, 128)
+FLOAT_WEIGHTS = ("float32", "bfloat16", "float16")
+_INT4 = re.compile(r"^int4(s?)-g(\d+)$")
+
+WEIGHTS_HELP = (
+    "weights: 'auto' (a GGUF keeps its own quantized blocks, Q8_0/Q4_0/Q4_1; any other model its float weights), "
+    "'gguf' (a GGUF's blocks, required), 'float32' | 'bfloat16' | 'float16' (float weights), 'int8' (per output "
+    "channel, symmetric), 'int4-g32' | 'int4-g64' | 'int4-g128' (4-bit, G columns a group, scale and min; "
+    "embeddings and head in int8) or 'int4s-gG' (4-bit symmetric)"
+)
+
+
+@struct.dataclass
+class QuantizedMatrix:
+    """`M [rows, cols]` (or a stack `[layers, rows, cols]`) quantized row by row in groups of `group` columns."""
+
+    codes: jax.Array  # [(layers,) rows, cols] int8 (8-bit) or [(layers,) rows, cols // 2] uint8 (4-bit)
+    scale: jax.Array  # [(layers,) rows, cols // group] float16 or float32
+    mn: jax.Array | None  # like scale (asymmetric formats), else None
+    layer: jax.Array | None = None  # set inside the layer scan: read the stack at this index
+    fmt: str = struct.field(pytree_node=False, default="q8_0")
+    bits: int = struct.field(pytree_node=False, default=8)
+    group: int = struct.field(pytree_node=False, default=32)
+    offset: int = struct.field(pytree_node=False, default=0)  # subtracted from 4-bit codes (Q4_0, int4s: 8)
+    transposed: bool = struct.field(pytree_node=False, default=True)  # a projection W [in, out], M = W.T
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    # -- shapes -------------------------------------------------------------------------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def num_cols(self) -> int:
+        return self.codes.shape[-1] * 8 // self.bits
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float leaf it stands for: `[(layers,) in, out]` for a projection, `[rows, cols]` else."""
+        lead = self.codes.shape[:-2]
+        return lead + ((self.num_cols, self.num_rows) if self.transposed else (self.num_rows, self.num_cols))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scale, self.mn)
+                   if a is not None)
+
+    # -- reading ------------------------------------------------------------------------------------------------------
+
+    def at_layer(self, layer: jax.Array) -> "QuantizedMatrix":
+        """A stacked matrix read at the (traced) `layer` index by `matmul_t` (models.weights.join_layer)."""
+        return self.replace(layer=layer)
+
+    def _leaves(self):
+        """(codes, scale, mn) of the matrix in use: the stack at `layer` when set."""
+        if self.layer is None:
+            return self.codes, self.scale, self.mn
+        pick = lambda a: None if a is None else a[self.layer]
+        return pick(self.codes), pick(self.scale), pick(self.mn)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """`M` (or its stack) in float: exactly `(code - offset) * scale + mn` in float32, then cast to `dtype`."""
+        codes, scale, mn = self._leaves()
+        return _dequantize(codes, scale, mn, self.bits, self.group, self.offset).astype(dtype)
+
+    def logical(self, dtype=jnp.float32) -> jax.Array:
+        """The float leaf it stands for (`W [(layers,) in, out]` for a projection, the table itself else)."""
+        m = self.dequantize(dtype)
+        return jnp.swapaxes(m, -1, -2) if self.transposed else m
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `M[ids]` -> float32 `[..., cols]` (an embedding lookup: only those rows are read)."""
+        codes, scale, mn = self._leaves()
+        take = lambda a: None if a is None else a[ids]
+        return _dequantize(take(codes), take(scale), take(mn), self.bits, self.group, self.offset)
+
+    def matmul_t(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        """`x [..., cols] @ M.T -> [..., rows]` in `out_dtype` (default x's dtype)."""
+        return matmul_many(x, (self,), out_dtype)[0]
+
+    def matmul_t_many(self, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
+        """`matmul_t` of each matrix in `ws` (this one among them) with the same `x`, in one native call when they
+        take the native kernel (models.weights.dot_many)."""
+        return matmul_many(x, tuple(ws), out_dtype)
+
+    def native_reason(self, rows: int, x_dtype) -> str | None:
+        """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
+        if self.impl == "xla":
+            return "impl='xla'"
+        from kivi_jax import native, sharding
+        from kivi_jax.native import matmul
+
+        reason = matmul.unsupported(self, rows, x_dtype)
+        if reason is None and sharding.active_mesh() is not None:
+            reason = "a device mesh is active (XLA partitions the dot)"
+        if reason is None and not native.available():
+            reason = f"the native kernels are unavailable ({native.error()})"
+        return reason
+
+
+def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...]:
+    """`x [..., cols] @ M_i.T` for each quantized matrix `M_i` of `ws` -> a `[..., rows_i]` array each, in
+    `out_dtype` (default x's dtype). On the CPU, when every matrix may take the native kernel, one native call reads
+    them all (`lax.platform_dependent`: a program lowered for a GPU or TPU gets XLA's dot); otherwise XLA
+    dequantizes each inside its dot."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead, cols = x.shape[:-1], x.shape[-1]
+    for w in ws:
+        if cols != w.num_cols:
+            raise ValueError(f"x has {cols} columns but a matrix ({w.fmt}) has {w.num_cols}")
+    n = math.prod(lead)
+
+    def xla():
+        return tuple(jnp.einsum("...c,rc->...r", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
+                     for w in ws)  # XLA fuses each dequantization into its dot's operand
+
+    reasons = [w.native_reason(n, x.dtype) for w in ws]
+    if any(reasons):
+        for w, why in zip(ws, reasons):
+            if w.impl == "native" and why:
+                warnings.warn(f"weights impl 'native': {why}; using the XLA path", stacklevel=4)
+        return xla()
+    from kivi_jax.native import matmul
+
+    def cpu():
+        ys = matmul.qmatmul(x.reshape(n, cols), *ws)
+        return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
+
+    # chosen when lowering: the kernel on the CPU, XLA's dot when the same program is lowered for a GPU or TPU
+    return jax.lax.platform_dependent(cpu=cpu, default=xla)
+
+
+def _unpack4(codes: jax.Array, group: int) -> jax.Array:
+    """4-bit codes `[..., cols // 2]` (GGUF layout within each group) -> uint8 codes `[..., cols]`."""
+    half = group // 2
+    g = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // half, half))  # [..., groups, G/2]
+    both = jnp.concatenate([g & 0xF, g >> 4], axis=-1)  # [..., groups, G]: codes j and j + G/2
+    return both.reshape(codes.shape[:-1] + (codes.shape[-1] * 2,))
+
+
+def _dequantize(codes, scale, mn, bits: int, group: int, offset: int) -> jax.Array:
+    """float32 `(code - offset) * scale + mn` with scale and mn broadcast over their groups."""
+    c = (_unpack4(codes, group) if bits == 4 else codes).astype(jnp.float32)
+    if offset:
+        c = c - float(offset)
+    grouped = c.reshape(c.shape[:-1] + (c.shape[-1] // group, group))  # [..., groups, G]
+    out = grouped * scale.astype(jnp.float32)[..., None]
+    if mn is not None:
+        out = out + mn.astype(jnp.float32)[..., None]
+    return out.reshape(c.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF blocks, kept as stored
+
+GGUF_BLOCKS = {"Q8_0": ("q8_0", 34), "Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20)}  # type -> (format, bytes a block)
+
+
+def from_gguf_blocks(data: np.ndarray, type_name: str, transposed: bool) -> QuantizedMatrix:
+    """A GGUF tensor's raw blocks `[rows, blocks * bytes]` uint8 (type Q8_0, Q4_0 or Q4_1) as a matrix, bit for
+    bit: Q8_0 blocks are (float16 d, 32 int8), Q4_0 (d, 16 bytes of nibbles), Q4_1 (d, float16 m, 16 bytes)."""
+    fmt, size = GGUF_BLOCKS[type_name]
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]  # [rows, blocks]
+    mn = None
+    if fmt == "q8_0":
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+        return QuantizedMatrix(codes, d, None, fmt=fmt, bits=8, group=32, offset=0, transposed=transposed)
+    if fmt == "q4_1":
+        mn = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        codes = blocks[..., 4:].reshape(rows, -1)
+    else:
+        codes = blocks[..., 2:].reshape(rows, -1)
+    return QuantizedMatrix(np.ascontiguousarray(codes), d, mn, fmt=fmt, bits=4, group=32,
+                           offset=8 if fmt == "q4_0" else 0, transposed=transposed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Quantizing a float model
+
+
+def check_weights(weights: str) -> str:
+    """A `weights=` name, checked (see WEIGHTS_HELP)."""
+    if not isinstance(weights, str):
+        raise ValueError(f"weights={weights!r} must be a string; {WEIGHTS_HELP}")
+    w = weights.strip().lower()
+    if w in ("auto", "gguf", "int8") + FLOAT_WEIGHTS:
+        return w
+    m = _INT4.match(w)
+    if m and int(m.group(2)) in GROUPS:
+        return w
+    raise ValueError(f"unknown weights {weights!r}; {WEIGHTS_HELP}")
+
+
+def is_quantized_format(weights: str) -> bool:
+    """Whether a checked `weights` name quantizes a float model (int8, int4-gG, int4s-gG)."""
+    return weights == "int8" or bool(_INT4.match(weights))
+
+
+def quantize_matrix(m, fmt: str, transposed: bool) -> QuantizedMatrix:
+    """Float `M [(layers,) rows, cols]` -> a QuantizedMatrix in `fmt` (int8, int4-gG, int4s-gG), on the host (numpy).
+    Scales and mins are rounded to their storage dtype first and the codes computed against the stored values."""
+    m = np.asarray(m, np.float32)
+    cols = m.shape[-1]
+    if fmt == "int8":
+        amax = np.max(np.abs(m), axis=-1, keepdims=True)
+        scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+        codes = np.clip(np.round(m / scale), -127, 127).astype(np.int8)
+        return _device(QuantizedMatrix(codes, scale, None, fmt=fmt, bits=8, group=cols, offset=0,
+                                       transposed=transposed))
+    match = _INT4.match(fmt)
+    if not match:
+        raise ValueError(f"cannot quantize into {fmt!r}; choose int8, int4-gG or int4s-gG")
+    symmetric, group = bool(match.group(1)), int(match.group(2))
+    if cols % group:
+        fits = ", ".join(f"int4-g{g}" for g in GROUPS if cols % g == 0) or "int8"
+        raise ValueError(f"{fmt} groups {group} columns, but a matrix of these weights has {cols} columns, not a "
+                         f"multiple of {group}; choose {fits}")
+    g = m.reshape(m.shape[:-1] + (cols // group, group))  # [..., groups, G]
+    one = np.float16(1)
+    if symmetric:
+        scale = (np.max(np.abs(g), axis=-1) / np.float32(7)).astype(np.float16)
+        scale = np.where(scale == 0, one, scale)
+        q = np.clip(np.round(g / scale.astype(np.float32)[..., None]), -7, 7) + 8
+        mn, offset = None, 8
+    else:
+        lo, hi = np.min(g, axis=-1), np.max(g, axis=-1)
+        mn = lo.astype(np.float16)
+        scale = ((hi - lo) / np.float32(15)).astype(np.float16)
+        scale = np.where(scale == 0, one, scale)
+        q = np.clip(np.round((g - mn.astype(np.float32)[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
+        offset = 0
+    q = q.astype(np.uint8)  # [..., groups, G]
+    half = group // 2
+    packed = q[..., :half] | (q[..., half:] << 4)  # byte j: codes j (low) and j + G/2 (high)
+    return _device(QuantizedMatrix(packed.reshape(m.shape[:-1] + (cols // 2,)), scale, mn, fmt=fmt, bits=4,
+                                   group=group, offset=offset, transposed=transposed))
+
+
+def _device(w: QuantizedMatrix) -> QuantizedMatrix:
+    return jax.tree_util.tree_map(jnp.asarray, w)
+
+
+def table_format(weights: str) -> str:
+    """The format an embedding table (and an untied head) takes under `weights`: int8 for the 4-bit formats (the
+    output head is the most sensitive matrix, as llama.cpp keeps it at 8 bits), else `weights` itself."""
+    return "int8" if _INT4.match(weights) else weights
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedMatrix)
+
+
+def formats(params) -> dict[str, str]:
+    """The format of every weight leaf, by path ('float32' etc. for float arrays)."""
+    out = {}
+    for name in ("embed", "final_norm", "lm_head"):
+        w = getattr(params, name)
+        if w is not None:
+            out[name] = w.fmt if is_quantized(w) else jnp.dtype(w.dtype).name
+    for f in params.layers.__dataclass_fields__:
+        w = getattr(params.layers, f)
+        out[f"layers.{f}"] = w.fmt if is_quantized(w) else jnp.dtype(w.dtype).name
+    return out
+
+
+def summary(params) -> str:
+    """A short name of the weights params hold, e.g. 'q4_1+q8_0' (GGUF blocks), 'int8', 'float32'."""
+    fmts = formats(params)
+    quant = sorted({f for f in fmts.values() if f not in FLOAT_WEIGHTS and f != "float64"})
+    return "+".join(quant) if quant else jnp.dtype(params.dtype).name
+
+
+def with_impl(params, impl: str):
+    """Params whose quantized matrices use `impl` ('auto', 'xla', 'native') for their matmuls."""
+    if impl not in IMPLS:
+        raise ValueError(f"weights impl {impl!r} is not one of {', '.join(IMPLS)}")
+    return jax.tree_util.tree_map(lambda w: w.replace(impl=impl) if is_quantized(w) else w, params,
+                                  is_leaf=is_quantized)
+
+
+def stack_layers(mats: list[QuantizedMatrix]) -> QuantizedMatrix:
+    """Per-layer matrices of one format -> one stacked `[layers, rows, ...]` matrix."""
+    first = mats[0]
+    key = lambda m: (m.fmt, m.bits, m.group, m.offset, m.transposed, m.codes.shape, m.mn is None)
+    if any(key(m) != key(first) for m in mats):
+        raise ValueError(f"the layers do not share one format and shape ({sorted({m.fmt for m in mats})})")
+    stack = lambda name: None if getattr(first, name) is None else np.stack([np.asarray(getattr(m, name))
+                                                                            for m in mats])
+    return first.replace(codes=stack("codes"), scale=stack("scale"), mn=stack("mn"))
+
+
+def map_rows(w: QuantizedMatrix, fn) -> QuantizedMatrix:
+    """The matrix with `fn` applied to each leaf along its row axis (e.g. a permutation of the rows: rows are
+    quantized independently, so this is exact)."""
+    return w.replace(codes=fn(w.codes), scale=fn(w.scale), mn=None if w.mn is None else fn(w.mn))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Params in a chosen format
+
+
+def _quantizable(params):
+    """(path, leaf, is_table) of every matrix that may be quantized: the embedding table, an untied head and every
+    stacked projection (norms stay float)."""
+    out = [("embed", params.embed, True)]
+    if params.lm_head is not None:
+        out.append(("lm_head", params.lm_head, False))
+    for f in params.layers.__dataclass_fields__:
+        w = getattr(params.layers, f)
+        if is_quantized(w) or w.ndim == 3:
+            out.append((f"layers.{f}", w, False))
+    return out
+
+
+def _replace_leaves(params, new: dict):
+    """Params with the leaves at the given paths replaced."""
+    top = {k: v for k, v in new.items() if not k.startswith("layers.")}
+    layers = {k[len("layers."):]: v for k, v in new.items() if k.startswith("layers.")}
+    return params.replace(layers=params.layers.replace(**layers), **top)
+
+
+def dequantize_params(params, dtype):
+    """Every quantized matrix as the float leaf it stands for, in `dtype` (float leaves are cast too)."""
+    from kivi_jax.models.llama import cast_params
+
+    new = {name: w.logical(jnp.float32).astype(dtype) for name, w, _ in _quantizable(params) if is_quantized(w)}
+    return cast_params(_replace_leaves(params, new), dtype)
+
+
+def convert_params(params, weights: str, dtype=None):
+    """`params` holding the weights `weights` names (WEIGHTS_HELP); `dtype` is the compute dtype of the float
+    leaves (and of every weight for a float format). Raises ValueError for a combination that cannot be."""
+    from kivi_jax.models.llama import cast_params
+
+    weights = check_weights(weights)
+    held = summary(params)
+    if weights in FLOAT_WEIGHTS:
+        if dtype is not None and jnp.dtype(dtype) != jnp.dtype(weights):
+            raise ValueError(f"weights={weights} and dtype={jnp.dtype(dtype).name} disagree: float weights are the "
+                             "compute dtype; give one of them")
+        return dequantize_params(params, jnp.dtype(weights))
+    if weights == "gguf" and not any(f in GGUF_FORMATS for f in formats(params).values()):
+        raise ValueError(f"weights='gguf' keeps a GGUF file's quantized blocks, but this model holds {held} "
+                         "weights (load a .gguf file, or choose int8 / int4-g64 to quantize it)")
+    if weights in ("auto", "gguf"):
+        return params if dtype is None else cast_params(params, dtype)
+    dtype = params.dtype if dtype is None else dtype
+    new = {}
+    for name, w, table in _quantizable(params):
+        m = w.dequantize(jnp.float32) if is_quantized(w) else (w if table else jnp.swapaxes(w, -1, -2))
+        new[name] = quantize_matrix(m, table_format(weights) if table or name == "lm_head" else weights,
+                                    transposed=not table)
+    return cast_params(_replace_leaves(params, new), dtype)
+
+
+def abstract_matrix(shape: tuple[int, ...], fmt: str, transposed: bool) -> QuantizedMatrix:
+    """The QuantizedMatrix (of ShapeDtypeStructs: nothing allocated) that `quantize_matrix` makes of a float leaf of
+    logical `shape` (`[(layers,) in, out]` for a projection, `[rows, cols]` for a table)."""
+    lead, (a, b) = tuple(shape[:-2]), shape[-2:]
+    rows, cols = (b, a) if transposed else (a, b)
+    sds = lambda *s, dt: jax.ShapeDtypeStruct(lead + s, dt)
+    if fmt == "int8":
+        return QuantizedMatrix(sds(rows, cols, dt=jnp.int8), sds(rows, 1, dt=jnp.float32), None, fmt=fmt, bits=8,
+                               group=cols, offset=0, transposed=transposed)
+    match = _INT4.match(fmt)
+    if not match:
+        raise ValueError(f"no abstract form for {fmt!r}")
+    group = int(match.group(2))
+    if cols % group:
+        raise ValueError(f"{fmt} groups {group} columns, but a matrix has {cols}")
+    scale = sds(rows, cols // group, dt=jnp.float16)
+    return QuantizedMatrix(sds(rows, cols // 2, dt=jnp.uint8), scale, None if match.group(1) else scale, fmt=fmt,
+                           bits=4, group=group, offset=8 if match.group(1) else 0, transposed=transposed)
+
+
+def abstract_params(params, weights: str):
+    """Abstract (or concrete) float params -> the abstract params `convert_params(params, weights)` would give, for
+    byte counts and lowering without quantizing anything; 'auto' and float formats return them as they are."""
+    weights = check_weights(weights)
+    if not is_quantized_format(weights):
+        return params
+    new = {name: abstract_matrix(w.shape, table_format(weights) if table or name == "lm_head" else weights,
+                                 transposed=not table)
+           for name, w, table in _quantizable(params)}
+    return _replace_leaves(params, new)

@@ -1,0 +1,188 @@
+"""Quantized weights (kivi_jax/weights.py, docs/design.md §13): GGUF blocks bit for bit as `gguf` dequantizes them,
+the native matmul against its XLA twin, quantized models against their float weights, checkpoints, lowering."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kivi_jax
+from kivi_jax import checkpoint, native, weights
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import forward, init_params
+from kivi_jax.weights import QuantizedMatrix
+
+from test_checkpoint import write_gguf
+
+
+def gguf_blocks(m: np.ndarray, type_name: str) -> np.ndarray:
+    """`m [rows, cols]` float32 quantized by the `gguf` package into raw blocks `[rows, bytes]`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(m.astype(np.float32), GGMLQuantizationType[type_name])
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_bit_for_bit_like_gguf(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((37, 96)).astype(np.float32) * rng.uniform(0.01, 3, (37, 1)).astype(np.float32)
+    m[3, :32] = 0.5  # a constant block (scale 0 in the file)
+    raw = gguf_blocks(m, type_name)
+    want = dequantize(raw, GGMLQuantizationType[type_name]).reshape(m.shape)
+    got = np.asarray(weights.from_gguf_blocks(raw, type_name, transposed=False).dequantize())
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.abs(got - m).max() < 0.2 * np.abs(m).max()  # and it is the matrix, roughly
+
+
+def random_matrix(fmt: str, rows: int, cols: int, layers: int | None = None, seed: int = 0) -> QuantizedMatrix:
+    rng = np.random.default_rng(seed)
+    shape = (rows, cols) if layers is None else (layers, rows, cols)
+    m = rng.standard_normal(shape).astype(np.float32)
+    if fmt.startswith("q"):
+        mats = [weights.from_gguf_blocks(gguf_blocks(x, fmt.upper()), fmt.upper(), True)
+                for x in (m if layers else m[None])]
+        return weights.stack_layers(mats) if layers else mats[0]
+    return weights.quantize_matrix(m, fmt, transposed=True)
+
+
+# (format, rows, cols): rows not a multiple of the kernel's 16-row items or the SIMD width; columns of int8 rows not
+# a multiple of the SIMD width either (GGUF blocks are 32 columns by definition)
+NATIVE_CASES = [("q8_0", 33, 96), ("q4_0", 7, 64), ("q4_1", 100, 128), ("int8", 21, 44), ("int8", 5, 72),
+                ("int4-g32", 19, 96), ("int4-g64", 40, 128), ("int4-g128", 3, 256), ("int4s-g64", 17, 192)]
+
+
+def test_matrices_sharing_an_input_run_in_one_native_call(monkeypatch):
+    from kivi_jax.models.weights import dot_many
+    from kivi_jax.native import matmul
+
+    calls = []
+    real = matmul.qmatmul
+    monkeypatch.setattr(matmul, "qmatmul", lambda x, *ws: calls.append(len(ws)) or real(x, *ws))
+    ws = (random_matrix("q4_1", 24, 64, layers=2), random_matrix("q8_0", 8, 64, layers=2, seed=1),
+          random_matrix("int4-g32", 40, 64, layers=2, seed=2))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.float32)
+    f = jax.jit(lambda x, ws, layer: dot_many(x, tuple(w.at_layer(layer) for w in ws)))
+    got = f(x, ws, jnp.int32(1))
+    assert calls == [3]
+    for y, w in zip(got, ws):
+        want = np.asarray(x) @ np.asarray(w.dequantize())[1].T
+        assert y.shape == (3, w.num_rows) and np.abs(np.asarray(y) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("fmt, rows, cols", NATIVE_CASES)
+def test_native_matmul_equals_the_xla_twin(fmt, rows, cols):
+    assert native.available(), native.error()
+    w = random_matrix(fmt, rows, cols, layers=3, seed=rows)
+    f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
+    for batch in (1, 3, 8, 32):
+        x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, cols)), jnp.float32)
+        ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no silent fallback
+            got = np.asarray(f(x, w.replace(impl="native"), jnp.int32(2)))
+        want = x @ np.asarray(w.dequantize())[2].T  # dequantize, then dot
+        assert np.abs(ref - want).max() <= 1e-5 * np.abs(want).max()
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (fmt, batch)
+
+
+def test_native_is_taken_for_decode_and_xla_for_prefill(monkeypatch):
+    from kivi_jax.native import matmul
+
+    calls = []
+    real = matmul.qmatmul
+    monkeypatch.setattr(matmul, "qmatmul", lambda x, *ws: calls.append(x.shape) or real(x, *ws))
+    w = random_matrix("q4_1", 16, 64)
+    jax.jit(lambda x: w.matmul_t(x)).lower(jnp.ones((1, 4, 64), jnp.float32))
+    jax.jit(lambda x: w.matmul_t(x)).lower(jnp.ones((2, 512, 64), jnp.float32))  # a prefill chunk: XLA's dot
+    assert calls == [(4, 64)]
+    with pytest.warns(UserWarning, match="XLA path"):  # forced native on a shape it cannot take says so
+        jax.jit(lambda x: w.replace(impl="native").matmul_t(x)).lower(jnp.ones((64, 64), jnp.float32))
+
+
+def tiny_cfg(**kw) -> LlamaConfig:
+    base = dict(vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=32, tie_word_embeddings=True)
+    return LlamaConfig(**{**base, **kw})
+
+
+def test_quantized_tiny_model_tracks_the_float_model():
+    """Each format computes exactly the model its dequantized weights make (up to summation order), close to the
+    float model it came from: relative RMS error of the logits (random weights: 4-bit codes of Gaussian weights are
+    the worst case; the real model's loss is measured in docs/benchmarks.md)."""
+    params = init_params(tiny_cfg(), jax.random.PRNGKey(0), std=0.1)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)))
+    fwd = jax.jit(forward)
+    ref = np.asarray(fwd(params, toks)[0])
+    err = {}
+    for fmt in ("int8", "int4-g64"):
+        q = weights.convert_params(params, fmt)
+        assert weights.formats(q)["layers.wq"] == fmt and weights.formats(q)["embed"] == weights.table_format(fmt)
+        got = np.asarray(fwd(q, toks)[0])
+        same = np.asarray(fwd(weights.dequantize_params(q, jnp.float32), toks)[0])
+        assert np.abs(got - same).max() <= 1e-5 * np.abs(same).max()
+        err[fmt] = float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
+    assert 0 < err["int8"] <= 0.05 and err["int8"] < err["int4-g64"] <= 0.4, err
+
+
+def test_quantized_checkpoint_roundtrips_exactly(tmp_path):
+    params = weights.convert_params(init_params(tiny_cfg(tie_word_embeddings=False), jax.random.PRNGKey(1)),
+                                    "int4-g32")
+    out = checkpoint.save(params, tmp_path / "q")
+    back = checkpoint.restore(out)
+    assert weights.formats(back) == weights.formats(params)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert back.layers.wq.transposed and not back.embed.transposed and back.lm_head.transposed
+    half = checkpoint.restore(out, jnp.bfloat16)  # the compute dtype casts float leaves only
+    assert half.dtype == jnp.bfloat16 and half.layers.wq.codes.dtype == jnp.uint8
+
+
+def test_gguf_blocks_load_as_stored_and_equal_the_dequantized_model(tiny_dirs, tmp_path):
+    """A GGUF of Q8_0 / Q4_0 / Q4_1 tensors keeps its blocks by default; its logits are the float32-dequantized
+    model's up to summation order, its greedy tokens the same; `weights='float32'` gives today's float params."""
+    _, model = tiny_dirs["llama_mha"]
+    path = tmp_path / "q.gguf"
+    write_gguf(model, path, types={"token_embd": "Q8_0", "attn_q": "Q4_0", "default": "Q4_1"})
+    # (the tiny GGUF has no tokenizer, which kivi_jax.load would build: load the params as load_any does)
+    blocks = kivi_jax.Model(weights.convert_params(checkpoint.load_gguf(path, keep_blocks=True), "auto"), None, None)
+    flat = kivi_jax.Model(checkpoint.load_gguf(path), None, None)
+    fmts = weights.formats(blocks.params)
+    assert fmts["embed"] == "q8_0" and fmts["layers.wq"] == "q4_0" and fmts["layers.w_up"] == "q4_1"
+    assert fmts["layers.w_down"] == "float32"  # 112 columns: not whole blocks, kept float by the writer
+    assert weights.summary(flat.params) == "float32"
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, 96, (1, 20)))
+    a, b = (np.asarray(jax.jit(forward)(m.params, toks)[0]) for m in (blocks, flat))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    for name in ("wq", "w_gate"):  # bit for bit the float32 params gguf's dequantize gives
+        got, want = getattr(blocks.params.layers, name).logical(), getattr(flat.params.layers, name)
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    kw = dict(max_new_tokens=16, cache="kivi2", stop_at_eos=False)
+    assert kivi_jax.generate(blocks, [[5, 6, 7]], **kw).token_ids == kivi_jax.generate(flat, [[5, 6, 7]], **kw).token_ids
+    with pytest.raises(ValueError, match="GGUF"):
+        weights.convert_params(flat.params, "gguf")
+
+
+def test_weights_names_are_checked():
+    for bad in ("int3", "int4-g48", "fp8", 8):
+        with pytest.raises(ValueError, match="weights"):
+            weights.check_weights(bad)
+    params = init_params(tiny_cfg(hidden_size=96, head_dim=24), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="int4-g32"):  # 96 columns: g64 does not divide them, g32 does
+        weights.convert_params(params, "int4-g64")
+    with pytest.raises(ValueError, match="disagree"):
+        weights.convert_params(params, "float32", jnp.bfloat16)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_xla_path_lowers_for_gpu_and_tpu(platform):
+    params = weights.convert_params(init_params(tiny_cfg(), jax.random.PRNGKey(0)), "int8")
+    cache = kivi_jax.make_cache("kivi2", params.config, 2, 256)
+    step = jax.jit(lambda p, t, c: forward(p, t, c), donate_argnums=(2,))
+    text = step.trace(params, jnp.ones((2, 1), jnp.int32), cache).lower(lowering_platforms=(platform,)).as_text()
+    assert "kivi_jax_qmatmul" not in text and "dot_general" in text
