@@ -28,20 +28,23 @@ from kivi_jax.models.llama import Params, forward
 __version__ = "0.1.0"
 
 
-def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True, mesh=None) -> Model:
+def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True, mesh=None, weights: str = "auto") -> Model:
     """Loads a model: a known name (`smollm2`, fetched and converted once, then cached), an HF directory, a `.gguf`
-    file or a kivi_jax checkpoint directory. Returns `Model(params, config, tokenizer)`; `dtype` casts the weights
-    (the compute dtype: float32 on CPU, bfloat16 on GPU; float32, bfloat16 or float16, a name or a jnp dtype;
-    float64 only with JAX's x64 mode on); `mesh` (a jax.sharding.Mesh or 'data=2,model=4') places them sharded over
-    its devices (kivi_jax.sharding)."""
+    file or a kivi_jax checkpoint directory. Returns `Model(params, config, tokenizer)`; `dtype` is the compute
+    dtype (float32 on CPU, bfloat16 on GPU; float32, bfloat16 or float16, a name or a jnp dtype; float64 only with
+    JAX's x64 mode on); `weights` the format the weights are held in (kivi_jax.weights: 'auto' keeps a GGUF's own
+    quantized blocks, as `smollm2` is; 'float32', 'bfloat16', 'int8', 'int4-g64', ...); `mesh` (a
+    jax.sharding.Mesh or 'data=2,model=4') places them sharded over its devices (kivi_jax.sharding)."""
     if mesh is not None:
         from kivi_jax import sharding
 
-        model = load(name_or_path, dtype, progress)
+        model = load(name_or_path, dtype, progress, weights=weights)
         return model._replace(params=sharding.shard_params(model.params, mesh))
     from kivi_jax import checkpoint, hub
+    from kivi_jax import weights as formats
 
     dtype = checkpoint.check_dtype(dtype)
+    weights = formats.check_weights(weights)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"load() takes a model name or a path, not {type(name_or_path).__name__}")
     name_or_path = os.fspath(name_or_path)
@@ -49,10 +52,11 @@ def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True, mesh=
     if name_or_path in hub.MODELS:
         path = hub.ensure_checkpoint(name_or_path, progress=progress)
         try:
-            params = checkpoint.restore(path, dtype)
+            params = checkpoint.restore(path)
         except CheckpointError as e:
             raise CheckpointError(f"{e}. The cached model is damaged: delete {hub.model_dir(name_or_path)} and "
                                   "run again to rebuild it") from e
+        params = formats.convert_params(params, weights, dtype)
         return Model(params, params.config, checkpoint.load_tokenizer(path))
     path = Path(name_or_path).expanduser()
     if not path.exists():
@@ -60,7 +64,7 @@ def load(name_or_path: str = "smollm2", dtype=None, progress: bool = True, mesh=
             f"unknown model {name_or_path!r}: not a known name ({', '.join(hub.MODELS)}) and no such file or "
             "directory; give a known name, an HF model directory, a .gguf file or a kivi_jax checkpoint"
         )
-    params, tokenizer = checkpoint.load_any(path, dtype, progress)
+    params, tokenizer = checkpoint.load_any(path, dtype, progress, weights)
     return Model(params, params.config, tokenizer)
 
 

@@ -12,11 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import weights as formats
 from kivi_jax.models.config import LlamaConfig, UnsupportedModelError
-from kivi_jax.models.llama import Params, param_shapes, params_from_dict, params_to_dict
+from kivi_jax.models.llama import Params, cast_params, param_shapes, params_from_dict, params_to_dict
+from kivi_jax.weights import QuantizedMatrix
 
 FORMAT_FILE = "kivi_jax.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized weight leaves (kivi_jax.weights), described under "weights"
+READABLE_VERSIONS = (1, 2)
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, truncated or of the wrong kind."""
@@ -89,18 +92,30 @@ _GGUF_GLOBAL_NAMES = {
 
 def _assemble(
     cfg: LlamaConfig,
-    tensors: Iterator[tuple[str, np.ndarray]],
+    tensors: Iterator[tuple[str, "np.ndarray | QuantizedMatrix"]],
     layer_names: dict,
     global_names: dict,
     layer_prefix: str,
     dtype,
     source: str,
 ) -> Params:
-    """Places named `[out, in]` tensors into stacked `Params`, checking that each arrives exactly once."""
+    """Places named `[out, in]` tensors (float arrays, or quantized matrices of their rows) into stacked `Params`,
+    checking that each arrives exactly once; float leaves are cast to `dtype`."""
     shapes = param_shapes(cfg)
-    stacked = {k: np.zeros(s, np.float32) for k, s in shapes["layers"].items()}
-    seen_layers = {k: np.zeros(cfg.num_layers, bool) for k in stacked}
+    stacked: dict = {}  # layer leaf -> a float [layers, ...] array, or a list of per-layer quantized matrices
+    seen_layers = {k: np.zeros(cfg.num_layers, bool) for k in shapes["layers"]}
     tree: dict = {}
+
+    def oriented(name, arr, transpose, shape):
+        if isinstance(arr, QuantizedMatrix):
+            value = arr.replace(transposed=transpose)
+        else:
+            value = arr.T if transpose else arr
+        if tuple(value.shape) != tuple(shape):
+            want = tuple(shape)[::-1] if transpose else tuple(shape)
+            raise CheckpointError(f"{source}: {name} has shape {tuple(arr.shape)}, expected {want}")
+        return value
+
     for name, arr in tensors:
         if name.startswith(layer_prefix):
             idx, _, rest = name[len(layer_prefix) :].partition(".")
@@ -110,31 +125,48 @@ def _assemble(
             i = int(idx)
             if i >= cfg.num_layers:
                 raise CheckpointError(f"{source}: tensor {name} names layer {i}, but the config has {cfg.num_layers}")
-            value = arr.T if transpose else arr
-            if value.shape != stacked[ours].shape[1:]:
-                raise CheckpointError(
-                    f"{source}: {name} has shape {arr.shape}, expected {stacked[ours].shape[1:][::-1] if transpose else stacked[ours].shape[1:]}"
-                )
-            stacked[ours][i] = value
+            value = oriented(name, arr, transpose, shapes["layers"][ours][1:])
+            if isinstance(value, QuantizedMatrix):
+                stacked.setdefault(ours, [None] * cfg.num_layers)[i] = value
+            else:
+                stacked.setdefault(ours, np.zeros(shapes["layers"][ours], np.float32))[i] = value
             seen_layers[ours][i] = True
         elif name in global_names:
             ours, transpose = global_names[name]
             if ours == "lm_head" and cfg.tie_word_embeddings:
                 continue
-            tree[ours] = arr.T if transpose else arr
+            tree[ours] = oriented(name, arr, transpose, shapes[ours])
     missing = [f"layers.{k}[{np.flatnonzero(~s).tolist()}]" for k, s in seen_layers.items() if not s.all()]
     missing += [k for k in ("embed", "final_norm") if k not in tree]
     if not cfg.tie_word_embeddings and "lm_head" not in tree:
         missing.append("lm_head")
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks tensors for {', '.join(missing)} (truncated or wrong model?)")
-    tree["layers"] = stacked
+    layers = {}
+    for k, v in stacked.items():
+        if isinstance(v, list):
+            if any(isinstance(x, QuantizedMatrix) != isinstance(v[0], QuantizedMatrix) for x in v):
+                raise CheckpointError(f"{source}: layers.{k} mixes quantized and float layers")
+            try:
+                layers[k] = formats.stack_layers(v)
+            except ValueError as e:
+                raise CheckpointError(f"{source}: layers.{k}: {e}") from e
+        else:
+            layers[k] = v
+    tree["layers"] = layers
     tree.setdefault("lm_head", None)
     try:
         params = params_from_dict(tree, cfg)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from e
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+    return jax.tree_util.tree_map(lambda a: _device(a, dtype), params, is_leaf=formats.is_quantized)
+
+
+def _device(a, dtype):
+    """A host leaf on the device: float arrays in `dtype`, quantized matrices as stored."""
+    if isinstance(a, QuantizedMatrix):
+        return jax.tree_util.tree_map(jnp.asarray, a)
+    return jnp.asarray(a, dtype)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # HF directory: config.json + model.safetensors or a sharded index
@@ -233,8 +265,10 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     out = w.shape[0]
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False) -> Params:
-    """A llama-architecture GGUF file -> `Params` (quantized tensors dequantized to float32)."""
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False, keep_blocks: bool = False) -> Params:
+    """A llama-architecture GGUF file -> `Params`. With `keep_blocks` its Q8_0, Q4_0 and Q4_1 matrices stay quantized
+    as stored (`kivi_jax.weights`); every other tensor (and, without it, every tensor) is dequantized to float32 by
+    `gguf`'s own `dequantize`, then cast to `dtype`."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -250,15 +284,20 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False
     def tensors():
         bar = _progress(len(reader.tensors), path.name, progress)
         for t in reader.tensors:
+            kind = t.tensor_type.name
+            shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
             try:
-                arr = dequantize(t.data, t.tensor_type).astype(np.float32)
+                if keep_blocks and kind in formats.GGUF_BLOCKS and len(shape) == 2:
+                    arr = formats.from_gguf_blocks(np.asarray(t.data).reshape(shape[0], -1), kind, transposed=False)
+                else:
+                    arr = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
             except Exception as e:
                 raise CheckpointError(f"{path}: tensor {t.name} cannot be read ({e}); corrupt or truncated?") from e
-            arr = arr.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-            if t.name.endswith("attn_q.weight"):
-                arr = unpermute_rope_rows(arr, cfg.num_heads)
-            elif t.name.endswith("attn_k.weight"):
-                arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
+            heads = (cfg.num_heads if t.name.endswith("attn_q.weight")
+                     else cfg.num_kv_heads if t.name.endswith("attn_k.weight") else None)
+            if heads is not None:
+                unpermute = lambda w, h=heads: unpermute_rope_rows(w, h)
+                arr = formats.map_rows(arr, unpermute) if isinstance(arr, QuantizedMatrix) else unpermute(arr)
             yield t.name, arr
             bar.update()
         bar.close()
@@ -351,7 +390,7 @@ def save(params: Params, path: str | os.PathLike, tokenizer=None, source: str | 
     tmp = path.with_name(partial_name(path.name))
     try:
         tmp.mkdir(parents=True)
-        tree = {k: v for k, v in params_to_dict(params).items() if v is not None}
+        tree, quantized = _to_tree(params)
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", tree)
         checkpointer.wait_until_finished()
@@ -363,6 +402,7 @@ def save(params: Params, path: str | os.PathLike, tokenizer=None, source: str | 
             "dtype": jnp.dtype(params.dtype).name,
             "config": params.config.to_dict(),
             "source": source,
+            "weights": quantized,
         }
         (tmp / FORMAT_FILE).write_text(json.dumps(meta, indent=2))  # written last: its presence marks a whole checkpoint
     except OSError as e:
@@ -382,7 +422,8 @@ def is_kivi_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / FORMAT_FILE).is_file()
 
 def restore(path: str | os.PathLike, dtype=None) -> Params:
-    """Reads params written by `save`; `dtype` casts them (default: as saved)."""
+    """Reads params written by `save`; `dtype` casts the float leaves (default: as saved; quantized leaves stay as
+    stored)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -393,17 +434,20 @@ def restore(path: str | os.PathLike, dtype=None) -> Params:
         meta = json.loads(meta_file.read_text())
         cfg = LlamaConfig.from_dict(meta["config"])
         saved_dtype = jnp.dtype(meta["dtype"])
+        quantized = meta.get("weights") or {}
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_file} is corrupt ({e}); re-run `kivi-jax convert`") from e
-    if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format version {meta.get('version')}, this kivi_jax reads {FORMAT_VERSION}")
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path} has format version {meta.get('version')}, this kivi_jax reads "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     shapes = param_shapes(cfg)
-
-    def abstract(shape):
-        return jax.ShapeDtypeStruct(shape, saved_dtype)
-
-    target = {k: abstract(s) for k, s in shapes.items() if k != "layers" and s is not None}
-    target["layers"] = {k: abstract(s) for k, s in shapes["layers"].items()}
+    try:
+        target = {k: _abstract(k, s, saved_dtype, quantized) for k, s in shapes.items()
+                  if k != "layers" and s is not None}
+        target["layers"] = {k: _abstract(f"layers.{k}", s, saved_dtype, quantized)
+                            for k, s in shapes["layers"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_file} describes its quantized weights wrongly ({e}); re-run `kivi-jax convert`")
     try:
         tree = ocp.StandardCheckpointer().restore(path / "params", target)
     except Exception as e:  # orbax / tensorstore raise many kinds on damaged data
@@ -411,11 +455,54 @@ def restore(path: str | os.PathLike, dtype=None) -> Params:
             f"{path / 'params'} is corrupt or truncated ({type(e).__name__}: {str(e)[:300]}); "
             "delete it and convert again"
         ) from e
+    tree = _from_tree(tree, quantized)
     tree.setdefault("lm_head", None)
     params = params_from_dict(tree, cfg)
     if dtype is not None:
-        params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+        params = cast_params(params, dtype)
     return params
+
+
+def _to_tree(params: Params) -> tuple[dict, dict]:
+    """Params -> (a tree of arrays for orbax, the description of each quantized leaf by path)."""
+    quantized: dict = {}
+
+    def leaf(name, w):
+        if not isinstance(w, QuantizedMatrix):
+            return w
+        parts = {k: getattr(w, k) for k in ("codes", "scale", "mn") if getattr(w, k) is not None}
+        quantized[name] = {"fmt": w.fmt, "bits": w.bits, "group": w.group, "offset": w.offset,
+                           "transposed": w.transposed,
+                           **{k: [list(a.shape), jnp.dtype(a.dtype).name] for k, a in parts.items()}}
+        return parts
+
+    d = params_to_dict(params)
+    tree = {k: leaf(k, v) for k, v in d.items() if k != "layers" and v is not None}
+    tree["layers"] = {k: leaf(f"layers.{k}", v) for k, v in d["layers"].items()}
+    return tree, quantized
+
+
+def _abstract(name: str, shape, dtype, quantized: dict):
+    """The restore target of one leaf: a float ShapeDtypeStruct, or a dict of them for a quantized leaf."""
+    if name not in quantized:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    q = quantized[name]
+    return {k: jax.ShapeDtypeStruct(tuple(q[k][0]), jnp.dtype(q[k][1])) for k in ("codes", "scale", "mn") if k in q}
+
+
+def _from_tree(tree: dict, quantized: dict) -> dict:
+    """The inverse of `_to_tree`: quantized leaves rebuilt from their arrays and description."""
+
+    def leaf(name, v):
+        if name not in quantized:
+            return v
+        q = quantized[name]
+        return QuantizedMatrix(v["codes"], v["scale"], v.get("mn"), fmt=q["fmt"], bits=int(q["bits"]),
+                               group=int(q["group"]), offset=int(q["offset"]), transposed=bool(q["transposed"]))
+
+    out = {k: leaf(k, v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = {k: leaf(f"layers.{k}", v) for k, v in tree["layers"].items()}
+    return out
 
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer stored beside a checkpoint (our `tokenizer/` or an HF dir's files), or None."""
@@ -427,27 +514,35 @@ def load_tokenizer(path: str | os.PathLike):
             return AutoTokenizer.from_pretrained(str(candidate))
     return None
 
-def load_any(path: str | os.PathLike, dtype=None, progress: bool = False) -> tuple[Params, object]:
-    """Params and tokenizer from an HF directory, a .gguf file or a kivi_jax checkpoint directory."""
+def load_any(path: str | os.PathLike, dtype=None, progress: bool = False, weights: str = "auto") -> tuple[Params, object]:
+    """Params and tokenizer from an HF directory, a .gguf file or a kivi_jax checkpoint directory, holding the
+    weights `weights` names (kivi_jax.weights.WEIGHTS_HELP; 'auto': a GGUF keeps its quantized blocks)."""
+    weights = formats.check_weights(weights)
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path} is a file but not a .gguf; give a .gguf file, an HF directory or a kivi_jax checkpoint")
-        return load_gguf(path, dtype or jnp.float32, progress), gguf_tokenizer(path)
+        keep = weights not in formats.FLOAT_WEIGHTS
+        params = load_gguf(path, dtype or jnp.float32, progress, keep_blocks=keep)
+        return formats.convert_params(params, weights, dtype), gguf_tokenizer(path)
     if is_kivi_checkpoint(path):
-        return restore(path, dtype), load_tokenizer(path)
+        return formats.convert_params(restore(path), weights, dtype), load_tokenizer(path)
     if (path / "config.json").exists():
-        return load_hf(path, dtype or jnp.float32, progress), load_tokenizer(path)
+        params = load_hf(path, dtype or jnp.float32, progress)
+        return formats.convert_params(params, weights, dtype), load_tokenizer(path)
     raise CheckpointError(
         f"{path} is neither an HF model directory (config.json + safetensors) nor a kivi_jax checkpoint ({FORMAT_FILE})"
     )
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, dtype=None, progress: bool = True) -> Path:
-    """Converts an HF directory or GGUF file into a kivi_jax checkpoint directory (`out` must not exist; checked
-    before anything is read)."""
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, dtype=None, progress: bool = True,
+            weights: str = "auto") -> Path:
+    """Converts an HF directory, a GGUF file or a kivi_jax checkpoint into a kivi_jax checkpoint directory holding
+    the weights `weights` names (`out` must not exist; checked before anything is read)."""
     dtype = check_dtype(dtype)
+    weights = formats.check_weights(weights)
     check_output_dir(out)
-    params, tokenizer = load_any(src, dtype, progress)
+    params, tokenizer = load_any(src, dtype, progress, weights)
     return save(params, out, tokenizer, source=str(src))

@@ -201,7 +201,8 @@ def _download(name: str, spec: HubModel, target: Path, quiet: bool) -> None:
                 partial.unlink()
 
 
-CONVERSION = 2  # bumped when conversion output changes (2: the tokenizer is built from the GGUF without torch)
+CONVERSION = 3  # bumped when conversion output changes (2: the tokenizer is built from the GGUF without torch; 3: the
+# GGUF's quantized blocks are kept as stored, kivi_jax.weights)
 
 
 def checkpoint_dir(name: str) -> Path:
@@ -227,7 +228,7 @@ def ensure_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
         gguf = fetch_gguf(name)
         if progress:
             print(f"kivi_jax: converting {gguf.name} once into {out}", file=sys.stderr)
-        params = checkpoint.load_gguf(gguf, progress=progress)
+        params = checkpoint.load_gguf(gguf, progress=progress, keep_blocks=True)
         tokenizer = checkpoint.gguf_tokenizer(gguf)
         checkpoint.save(params, out, tokenizer, source=f"{_spec(name).package}=={_spec(name).version}:{gguf.name}")
         for stale in model_dir(name).iterdir():  # whole conversions by older versions of this code, nothing else

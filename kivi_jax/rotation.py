@@ -34,21 +34,36 @@ def basis(head_dim: int) -> np.ndarray:
     return q * np.sign(np.diag(r))[None, :]
 
 
+# A quantized wv or wo is rotated in float and quantized again in this format (per output channel, 8 bits: finer than
+# the GGUF's 4-bit blocks, so the rotation adds little error; docs/benchmarks.md "Quantized weights" measures it).
+ROTATED_FORMAT = "int8"
+
+
 def rotate_values(params):
     """Params whose value projection produces each kv head's values in the basis H and whose output projection undoes
-    it (full-precision outputs unchanged up to rounding); marks them `value_basis="hadamard"`. Idempotent."""
+    it (full-precision outputs unchanged up to rounding); marks them `value_basis="hadamard"`. Idempotent. Quantized
+    projections are rotated in float and quantized again (`ROTATED_FORMAT`)."""
+    from kivi_jax import weights
+
     if params.value_basis:
         return params
     cfg = params.config
     d, kv, q_heads = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
     h = jnp.asarray(basis(d), jnp.float32)
     lp = params.layers
-    layers = lp.wv.shape[0]
-    wv = lp.wv.astype(jnp.float32).reshape(layers, -1, kv, d)  # [layers, hidden, kv_heads, head_dim]
-    wv = jnp.einsum("lekd,dc->lekc", wv, h).reshape(lp.wv.shape).astype(lp.wv.dtype)
-    wo = lp.wo.astype(jnp.float32).reshape(layers, q_heads, d, -1)  # [layers, q_heads, head_dim, hidden]
-    wo = jnp.einsum("dc,lqde->lqce", h, wo).reshape(lp.wo.shape).astype(lp.wo.dtype)  # each head's rows: H^T @ W
-    return params.replace(layers=lp.replace(wv=wv, wo=wo), value_basis="hadamard")
+    as_float = lambda w: w.logical(jnp.float32) if weights.is_quantized(w) else w.astype(jnp.float32)
+    wv_f, wo_f = as_float(lp.wv), as_float(lp.wo)
+    layers = wv_f.shape[0]
+    wv = jnp.einsum("lekd,dc->lekc", wv_f.reshape(layers, -1, kv, d), h).reshape(wv_f.shape)  # [layers, hidden, kv*D]
+    wo = jnp.einsum("dc,lqde->lqce", h, wo_f.reshape(layers, q_heads, d, -1)).reshape(wo_f.shape)  # H^T @ each head
+
+    def back(new, old):
+        if weights.is_quantized(old):
+            return weights.quantize_matrix(jnp.swapaxes(new, -1, -2), ROTATED_FORMAT, transposed=True).replace(
+                impl=old.impl)
+        return new.astype(old.dtype)
+
+    return params.replace(layers=lp.replace(wv=back(wv, lp.wv), wo=back(wo, lp.wo)), value_basis="hadamard")
 
 
 def key_basis(head_dim: int, dtype) -> jnp.ndarray:

@@ -208,26 +208,49 @@ def _path_name(path) -> str:
 
 
 def param_axes(params) -> dict[str, tuple[str, ...]]:
-    """Logical axes of every parameter leaf, by path; a leaf the table does not know is an error."""
-    return {(name := _path_name(p)): param_axes_of(name, leaf)
-            for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    """Logical axes of every parameter leaf, by path (a quantized matrix's codes, scales and mins under its own
+    path: `layers.wq.codes`); a leaf the table does not know is an error."""
+    from kivi_jax import weights
+
+    out = {}
+    for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=weights.is_quantized)[0]:
+        name = _path_name(p)
+        axes = param_axes_of(name, leaf)
+        if weights.is_quantized(leaf):
+            out.update({f"{name}.{part}": axes for part in ("codes", "scale", "mn") if getattr(leaf, part) is not None})
+        else:
+            out[name] = axes
+    return out
 
 
 def param_specs(params, mesh):
-    """A pytree like `params` of PartitionSpecs."""
+    """A pytree like `params` of PartitionSpecs (a quantized matrix: one for each of its codes, scales and mins)."""
+    from kivi_jax import weights
+
     heads = heads_sharded(params.config.num_kv_heads, mesh)
 
     def one(path, leaf):
         name = _path_name(path)
-        return spec_for(param_axes_of(name, leaf), leaf.shape, mesh, heads, f"parameter {name}")
+        axes = param_axes_of(name, leaf)
+        if not weights.is_quantized(leaf):
+            return spec_for(axes, leaf.shape, mesh, heads, f"parameter {name}")
+        return leaf.replace(**{part: spec_for(axes, getattr(leaf, part).shape, mesh, heads, f"parameter {name}.{part}")
+                               for part in ("codes", "scale", "mn") if getattr(leaf, part) is not None})
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=weights.is_quantized)
 
 
 def param_axes_of(name: str, leaf) -> tuple[str, ...]:
+    """The logical axes of a parameter leaf: its PARAM_AXES entry, or for a quantized matrix its rows' and columns'
+    axes (a projection `[in, out]` is held as rows of out: its last two axes swap; its scales follow its rows)."""
+    from kivi_jax import weights
+
     if name not in PARAM_AXES:
         raise MeshError(f"parameter {name} {tuple(leaf.shape)} has no entry in kivi_jax.sharding.PARAM_AXES")
-    return PARAM_AXES[name]
+    axes = PARAM_AXES[name]
+    if weights.is_quantized(leaf) and leaf.transposed:
+        axes = axes[:-2] + (axes[-1], axes[-2])
+    return axes
 
 
 def cache_axes(cache) -> dict[str, tuple[str, ...]]:

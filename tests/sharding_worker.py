@@ -270,6 +270,28 @@ def check_generate(mesh_text: str, reference: bool = True) -> dict:
     return {"mesh": mesh_text, "ref": ref, "got": got}
 
 
+def check_weights() -> dict:
+    """Quantized weights on a mesh: `generate` with int8 and int4-g32 params (their codes, scales and mins placed by
+    the table, rows split with the weights' output axis) gives the one-device tokens."""
+    from kivi_jax import weights
+
+    params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
+    tokens, lengths = prompts(4)
+    batch = [tokens[i, : lengths[i]].tolist() for i in range(4)]
+    kw = dict(max_new_tokens=5, cache=KIVI, max_length=MAX_TOKENS, attention_impl="xla")
+    out = {}
+    for fmt in ("int8", "int4-g32"):
+        q = weights.convert_params(params, fmt)
+        mesh = sharding.make_mesh("data=2,model=4")
+        placed = sharding.shard_params(q, mesh)
+        out[fmt] = {"got": generate(q, batch, mesh="data=2,model=4", **kw).sequences,
+                    "ref": generate(q, batch, **kw).sequences,
+                    "wq_codes_spec": str(placed.layers.wq.codes.sharding.spec),
+                    "wq_scale_spec": str(placed.layers.wq.scale.sharding.spec),
+                    "wo_codes_spec": str(placed.layers.wo.codes.sharding.spec)}
+    return out
+
+
 def check_evaluate() -> dict:
     """`evaluate(..., mesh=)` (teacher-forced NLL through the cache) against one device."""
     from kivi_jax import evaluate
@@ -366,7 +388,7 @@ def main_devices8(part: str) -> dict:
     else:
         out = {"parity": timed(check_parity, "mistral"), "lowering": timed(check_lowering),
                "errors": timed(check_errors), "serve": timed(check_serve),
-               "bench_generate": timed(check_bench_generate)}
+               "bench_generate": timed(check_bench_generate), "weights": timed(check_weights)}
     out["seconds"] = TIMES
     return out
 

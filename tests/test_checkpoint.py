@@ -31,8 +31,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: Path) -> None:
+def write_gguf(model, path: Path, types: dict | None = None) -> None:
+    """A llama GGUF of a transformers model; `types` maps GGUF tensor kinds ('attn_q', 'token_embd', ..., or
+    'default') to a block type ('Q8_0', 'Q4_0', 'Q4_1') that matrix is quantized into (norms stay float32)."""
     import gguf
+    from gguf.quants import quantize
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -47,13 +50,25 @@ def write_gguf(model, path: Path) -> None:
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    types = types or {}
+
+    def add(name, w):
+        kind = name.split(".")[-2]
+        # a matrix whose rows are not whole 32-column blocks stays float, as llama.cpp's converter keeps it
+        qtype = types.get(kind, types.get("default")) if w.ndim == 2 and w.shape[-1] % 32 == 0 else None
+        if qtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+        else:
+            raw = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, quantize(np.ascontiguousarray(w, np.float32), raw), raw_dtype=raw)
+
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
-        writer.add_tensor("output.weight", sd["lm_head.weight"])
+        add("output.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         for hf_name, g_name in names.items():
             w = sd[f"model.layers.{i}.{hf_name}.weight"]
@@ -61,7 +76,7 @@ def write_gguf(model, path: Path) -> None:
                 w = llama_cpp_permute(w, cfg.num_attention_heads)
             elif g_name == "attn_k":
                 w = llama_cpp_permute(w, cfg.num_key_value_heads)
-            writer.add_tensor(f"blk.{i}.{g_name}.weight", np.ascontiguousarray(w))
+            add(f"blk.{i}.{g_name}.weight", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

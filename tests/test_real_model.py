@@ -88,3 +88,23 @@ def test_gguf_tokenizer_needs_no_torch_and_follows_llama_cpp(smollm2):
         theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (ours.eos_token, ours.bos_token, ours.pad_token) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
     assert smollm2.tokenizer(text)["input_ids"] == ids  # the cached tokenizer is this one
+
+
+def test_gguf_blocks_give_the_float32_path_s_tokens(smollm2):
+    """The default model keeps its GGUF blocks (Q8_0 embeddings and head, Q4_1 projections) and decodes through the
+    native quantized matmul: 64 greedy tokens of the README's prompts equal today's float32-dequantized weights', full
+    and kivi2 caches; the prefill logits agree to 1e-3 (float summation order only). Resident weights: the GGUF's own
+    tensor bytes."""
+    from kivi_jax import weights
+    from kivi_jax.cache import tree_bytes
+
+    assert weights.summary(smollm2.params) == "q4_1+q8_0"
+    assert tree_bytes(smollm2.params) <= 1.1 * 96_576_768  # the GGUF's tensor bytes
+    flat = kivi_jax.load("smollm2", progress=False, weights="float32")
+    prompts = [QUESTION, "Write a short story about a lighthouse keeper."]
+    ids = smollm2.tokenizer(prompts[1])["input_ids"]
+    a, b = (np.asarray(jax.jit(forward)(m.params, jnp.asarray([ids]))[0]) for m in (smollm2, flat))
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max() and (a.argmax(-1) == b.argmax(-1)).all()
+    for cache in ("full", "kivi2"):
+        kw = dict(chat=True, max_new_tokens=64, cache=cache, stop_at_eos=False)
+        assert kivi_jax.generate(smollm2, prompts, **kw).token_ids == kivi_jax.generate(flat, prompts, **kw).token_ids

@@ -99,6 +99,14 @@ def test_param_specs_follow_the_table():
     assert specs.layers.w_gate == P(None, None, "model") and specs.embed == P("model")
     assert specs.lm_head == P(None, "model") and specs.final_norm == P() and specs.layers.attn_norm == P()
     assert set(sharding.PARAM_AXES) == set(sharding.param_axes(params))
+    # quantized leaves take their float leaf's axes, a projection's rows (output units) first: codes, scales and
+    # mins alike (abstract params, nothing quantized)
+    from kivi_jax import weights
+
+    q = sharding.param_specs(weights.abstract_params(params, "int4-g32"), "data=2,model=4")
+    assert q.layers.wq.codes == q.layers.wq.scale == q.layers.wq.mn == P(None, "model")
+    assert q.layers.wo.codes == q.layers.wo.scale == P(None, None, "model")
+    assert q.embed.codes == P("model") and q.lm_head.codes == P("model")
 
 
 def test_heads_that_do_not_divide_the_model_axis_are_replicated():
@@ -263,6 +271,15 @@ def test_generate_with_a_mesh(devices8):
     for r in devices8["generate"]:
         assert r["got"] == r["ref"], r
         assert [len(s) for s in r["got"]] == [5, 5, 5]
+
+
+def test_quantized_weights_with_a_mesh(devices8):
+    """int8 and int4 weights sharded like their float leaves (a projection's rows are its output units: wq's rows
+    split over model, wo's columns) give the one-device tokens."""
+    for fmt, r in devices8["weights"].items():
+        assert r["got"] == r["ref"] and all(len(s) == 5 for s in r["got"]), (fmt, r)
+        assert r["wq_codes_spec"] == r["wq_scale_spec"] == "PartitionSpec(None, 'model')", r
+        assert r["wo_codes_spec"] == "PartitionSpec(None, None, 'model')", r
 
 
 def test_evaluate_with_a_mesh(devices8):
