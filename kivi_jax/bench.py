@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kivi_jax import rotation, sharding
+from kivi_jax import weights as weight_formats
 from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.config import LlamaConfig
@@ -132,19 +133,34 @@ def model_config(name: str, layers: int | None = None) -> LlamaConfig:
     return with_layers(load_model(name, None, None).config, layers)
 
 
-def load_model(name: str, dtype=None, layers: int | None = None, seed: int = 0) -> Params:
-    """Params to benchmark: synthetic weights for a preset (`llama2-7b`, `llama3-8b`), else `kivi_jax.load(name)`."""
+def memory_params(name: str, dtype, layers: int | None = None, weights: str = "auto"):
+    """Abstract params whose bytes a memory report counts: a preset's shapes in `weights` (float in `dtype`, or
+    quantized), or a real model as loaded with `weights` (its float leaves in `dtype`)."""
+    if name in PRESETS:
+        return abstract_params(with_layers(PRESETS[name], layers), dtype, weights)
+    params = load_model(name, None, layers, weights=weights)
+    from kivi_jax.models.llama import cast_params
+
+    return jax.eval_shape(lambda p: cast_params(p, dtype), params)
+
+
+def load_model(name: str, dtype=None, layers: int | None = None, seed: int = 0, weights: str = "auto") -> Params:
+    """Params to benchmark: synthetic weights for a preset (`llama2-7b`, `llama3-8b`; quantized into `weights` when
+    that names a quantized format), else `kivi_jax.load(name, weights=weights)`."""
     if name in PRESETS:
         cfg = with_layers(PRESETS[name], layers)
-        return init_params(cfg, jax.random.PRNGKey(seed), dtype or jnp.float32)
+        params = init_params(cfg, jax.random.PRNGKey(seed), dtype or jnp.float32)
+        return weight_formats.convert_params(params, weights)
     import kivi_jax
 
-    return truncate_layers(kivi_jax.load(name, dtype, progress=False).params, layers)
+    return truncate_layers(kivi_jax.load(name, dtype, progress=False, weights=weights).params, layers)
 
 
-def abstract_params(cfg: LlamaConfig, dtype) -> Params:
-    """Params as ShapeDtypeStructs (nothing allocated), for lowering and byte counts."""
-    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+def abstract_params(cfg: LlamaConfig, dtype, weights: str = "auto") -> Params:
+    """Params as ShapeDtypeStructs (nothing allocated), for lowering and byte counts: float in `dtype`, or the
+    quantized format `weights` names."""
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+    return weight_formats.abstract_params(params, weights)
 
 
 def device_name() -> str:
@@ -256,9 +272,11 @@ def abstract_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype, i
     return jax.eval_shape(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl))
 
 
-def decode_temp_bytes(cfg: LlamaConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto") -> int:
-    """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values."""
-    params = abstract_params(cfg, dtype)
+def decode_temp_bytes(cfg: LlamaConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto",
+                      params=None) -> int:
+    """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values (`params`:
+    abstract params to use, default float ones in `dtype`)."""
+    params = abstract_params(cfg, dtype) if params is None else params
     cache = abstract_cache(spec, cfg, batch, max_tokens, dtype, impl)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     compiled = decode_step_fn().lower(params, tokens, cache).compile()
@@ -271,13 +289,14 @@ def max_batch(budget: int, weights: int, per_seq: float, fixed: float = 0.0) -> 
     return max(int(free // per_seq), 0) if per_seq > 0 else 0
 
 
-def per_device_memory(cfg: LlamaConfig, spec, context: int, dtype, budget: int, mesh, impl: str = "auto") -> dict:
+def per_device_memory(cfg: LlamaConfig, spec, context: int, dtype, budget: int, mesh, impl: str = "auto",
+                      params=None) -> dict:
     """On a mesh of that shape (a string or sizes; no devices needed): bytes one device holds of the weights and of
     one sequence's cache (`context` tokens), the largest global batch (a multiple of the data axis) whose weights and
     caches fit `budget` per device, and the longest context for one sequence per data shard within it."""
     sizes = sharding.mesh_sizes(mesh)
     data = sizes["data"]
-    weights_tree = abstract_params(cfg, dtype)
+    weights_tree = abstract_params(cfg, dtype) if params is None else params
     weights = sharding.per_device_bytes(weights_tree, sharding.param_specs(weights_tree, sizes), sizes)
     multiple = cache_tokens(1, 0, [spec])  # the allocation unit of a cache's tokens
 
@@ -302,14 +321,16 @@ def per_device_memory(cfg: LlamaConfig, spec, context: int, dtype, budget: int, 
 
 
 def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl: str = "auto",
-                 temps: bool = True, mesh=None) -> dict:
+                 temps: bool = True, mesh=None, params=None) -> dict:
     """Per spec at `context` tokens a sequence: cache bytes from the pytree leaves (batch 1) and from the formula,
     the ratio against the full cache, the largest batch with weights + batch * cache <= `budget`, and (`temps`) the
     compiled decode step's temporary bytes at batch 1 and per extra sequence (from batch 9), with the largest batch
     when those temporaries count too. With `mesh` (a shape such as 'data=1,model=8'; no devices needed), each row
-    also has `per_device`: see `per_device_memory` (the budget is then per device)."""
+    also has `per_device`: see `per_device_memory` (the budget is then per device). `params`: the (abstract)
+    params whose bytes count as the weights (default float ones in `dtype`)."""
     compute_bytes = jnp.dtype(dtype).itemsize
-    weights = tree_bytes(abstract_params(cfg, dtype))
+    params = abstract_params(cfg, dtype) if params is None else params
+    weights = tree_bytes(params)
     full = tree_bytes(abstract_cache("full", cfg, 1, context, dtype, impl))
     results = {}
     for spec in specs:
@@ -323,8 +344,8 @@ def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl
             "max_batch": max_batch(budget, weights, cache),
         }
         if temps:
-            t1 = decode_temp_bytes(cfg, spec, 1, context, dtype, impl)
-            per_seq = max(decode_temp_bytes(cfg, spec, 9, context, dtype, impl) - t1, 0) // 8
+            t1 = decode_temp_bytes(cfg, spec, 1, context, dtype, impl, params)
+            per_seq = max(decode_temp_bytes(cfg, spec, 9, context, dtype, impl, params) - t1, 0) // 8
             row.update({
                 "decode_temp_bytes": t1,
                 "decode_temp_ratio_vs_full_cache": t1 / full,
@@ -332,9 +353,10 @@ def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl
                 "max_batch_with_temps": max_batch(budget, weights, cache + per_seq, t1 - per_seq),
             })
         if mesh is not None:
-            row["per_device"] = per_device_memory(cfg, spec, context, dtype, budget, mesh, impl)
+            row["per_device"] = per_device_memory(cfg, spec, context, dtype, budget, mesh, impl, params)
         results[spec_label(spec)] = row
-    return {"context": context, "weights_bytes": weights, "full_cache_bytes": full, "results": results}
+    return {"context": context, "weights": weight_formats.summary(params), "weights_bytes": weights,
+            "full_cache_bytes": full, "results": results}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kivi_jax.cli_args import add_impl_arg, integer, writable_file
+from kivi_jax.cli_args import add_impl_arg, add_weights_arg, integer, writable_file
 
 MODEL_HELP = ("'smollm2' (the real model), 'llama2-7b' or 'llama3-8b' (synthetic weights with those models' shapes), "
               "or a path (HF directory, .gguf, kivi_jax checkpoint)")
@@ -54,6 +54,7 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: s
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--layers", type=integer(1), default=None, help="keep only the first N layers (so large shapes fit)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=dtype_default, help=dtype_help)
+    add_weights_arg(p)
     add_impl_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE", type=writable_file, default=None, help="write a PNG plot of the results")
@@ -134,10 +135,10 @@ def _check_batches(batches, mesh) -> None:
 
 def _header(args, params) -> dict:
     """What every timing result says about where and on what it ran."""
-    from kivi_jax import bench
+    from kivi_jax import bench, weights
 
     return {"device": bench.device_name(), "model": args.model, "layers": params.config.num_layers,
-            "dtype": str(params.dtype)}
+            "dtype": str(params.dtype), "weights": weights.summary(params), "weights_bytes": bench.tree_bytes(params)}
 
 
 def cmd_decode(args) -> int:
@@ -150,7 +151,7 @@ def cmd_decode(args) -> int:
 
     mesh = mesh_from_args(args)
     _check_batches(args.batch, mesh)
-    params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
+    params = bench.load_model(args.model, _dtype(args.dtype), args.layers, weights=args.weights)
     rows = bench.bench_decode(params, args.contexts, args.batch, args.cache, args.attention_impl, args.repeats,
                               args.warmup, log=None if args.json else _log, mesh=mesh)
     out = {
@@ -191,13 +192,14 @@ def cmd_memory(args) -> int:
     _check_positive(context=args.context, layers=args.layers)
     budget = bench.parse_bytes(args.budget)
     dtype = _dtype(args.dtype)
-    cfg = bench.model_config(args.model, args.layers)
+    params = bench.memory_params(args.model, dtype, args.layers, args.weights)
+    cfg = params.config
     if args.mesh is not None:
         from kivi_jax import sharding
 
         sharding.parse_mesh_shape(args.mesh)  # a bad shape fails before any work
     table = bench.bench_memory(cfg, args.context, args.cache, dtype, budget, args.attention_impl, not args.no_temps,
-                               mesh=args.mesh)
+                               mesh=args.mesh, params=params)
     results = table["results"]
     out = {
         "model": args.model,
@@ -205,6 +207,7 @@ def cmd_memory(args) -> int:
         "dtype": jnp.dtype(dtype).name,
         "context": args.context,
         "budget_bytes": budget,
+        "weights": table["weights"],
         "weights_bytes": table["weights_bytes"],
         "mesh": args.mesh,
         "results": results,
@@ -229,7 +232,7 @@ def cmd_memory(args) -> int:
         return 0
     fb = bench.format_bytes
     print(f"# cache memory, {args.model} ({cfg.num_layers} layers, {out['dtype']}), {args.context} tokens a sequence, "
-          f"budget {fb(budget)}, weights {fb(out['weights_bytes'])}")
+          f"budget {fb(budget)}, weights {out['weights']} {fb(out['weights_bytes'])}")
     header = ["cache", "bytes/seq", "formula", "bytes/token", "ratio vs full", "max batch"]
     if not args.no_temps:
         header += ["decode temp (batch 1)", "temp / full cache", "temp per extra seq", "max batch with temps"]
@@ -266,7 +269,7 @@ def cmd_generate(args) -> int:
 
     mesh = mesh_from_args(args)
     _check_batches(args.batch, mesh)
-    params = bench.load_model(args.model, _dtype(args.dtype), args.layers)
+    params = bench.load_model(args.model, _dtype(args.dtype), args.layers, weights=args.weights)
     rows = bench.bench_generate(params, args.batch, args.cache, args.prompt_len, args.new_tokens, args.attention_impl,
                                 args.repeats, log=None if args.json else _log, mesh=mesh)
     out = {

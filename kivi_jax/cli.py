@@ -113,6 +113,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default; fetched and converted once) or a path: HF directory, .gguf, kivi_jax checkpoint")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored, float32)")
+    cli_args.add_weights_arg(p)
 
 
 def cmd_generate(args) -> int:
@@ -122,7 +123,7 @@ def cmd_generate(args) -> int:
     spec = cache_from_args(args)  # a bad cache spec or flag fails before the model loads
     mesh = mesh_from_args(args)
     t0 = time.perf_counter()
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json, mesh=mesh)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json, mesh=mesh, weights=args.weights)
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     session = start(
@@ -159,9 +160,11 @@ def cmd_generate(args) -> int:
         cache_stats=session.result.get("cache"),
         seed=session.result.get("seed"),
     )
+    held = weights_summary(model.params)
     if args.json:
         out = gen.to_json()
-        out.update({"model": args.model, "cache": kivi_jax.config.spec_name(spec), "load_seconds": round(load_s, 4)})
+        out.update({"model": args.model, "cache": kivi_jax.config.spec_name(spec), "load_seconds": round(load_s, 4),
+                    **held})
         print(json.dumps(out))
     else:
         if tok is None:
@@ -169,8 +172,17 @@ def cmd_generate(args) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         if gen.cache_stats is not None:
-            print(f"kivi-jax: {cache_summary(gen.cache_stats)}", file=sys.stderr)
+            print(f"kivi-jax: {cache_summary(gen.cache_stats)}; weights {held['weights']}, "
+                  f"{held['weight_bytes'] / 2**20:.2f} MiB", file=sys.stderr)
     return 0
+
+
+def weights_summary(params) -> dict:
+    """What the weights are held as and their bytes (beside the cache's in every report)."""
+    from kivi_jax import weights
+    from kivi_jax.cache import tree_bytes
+
+    return {"weights": weights.summary(params), "weight_bytes": int(tree_bytes(params))}
 
 
 CHAT_HELP = "/reset  forget the conversation\n/save PATH  save it (and its cache)\n/load PATH  continue a saved one\n" \
@@ -181,7 +193,7 @@ def cmd_chat(args) -> int:
     import kivi_jax
     from kivi_jax.chat import Chat, ConversationFullError
 
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=True)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=True, weights=args.weights)
     chat = Chat(model, cache_from_args(args), system=args.system, max_new_tokens=args.max_new_tokens,
                 max_length=args.max_length, attention_impl=args.attention_impl, **sampling_from_args(args))
     interactive = sys.stdin.isatty()
@@ -254,7 +266,7 @@ def cmd_convert(args) -> int:
     checkpoint.check_output_dir(args.out)  # before any download or conversion
     if src in hub.MODELS:
         src = str(hub.fetch_gguf(src))
-    out = checkpoint.convert(src, args.out, _dtype(args.dtype), progress=True)
+    out = checkpoint.convert(src, args.out, _dtype(args.dtype), progress=True, weights=args.weights)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -278,7 +290,8 @@ def _eval_model_and_text(args):
                              f"{e.start}); give a UTF-8 text file") from None
         except OSError as e:
             raise ValueError(f"cannot read --text {args.text}: {e.strerror or e}; give a UTF-8 text file") from None
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json, mesh=args.mesh_obj)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=not args.json, mesh=args.mesh_obj,
+                          weights=args.weights)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; eval needs one to turn --text into tokens")
     return model, evaluate.tokenize(model.tokenizer, text), name
@@ -544,7 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert an HF directory or GGUF file (or 'smollm2') into a kivi_jax checkpoint")
     c.add_argument("src", help="HF model directory, .gguf file, or a known model name")
     c.add_argument("out", help="output directory (must not exist)")
-    c.add_argument("--dtype", choices=DTYPES, default=None, help="stored dtype (default float32)")
+    c.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype of the float leaves (default float32)")
+    cli_args.add_weights_arg(c)
     c.set_defaults(func=cmd_convert)
 
     add_eval_parser(sub)

@@ -170,3 +170,21 @@ def add_impl_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
                    help="decode attention: Pallas kernel on GPU, C++ kernel on CPU (auto), the XLA path, or forced "
                         "(pallas on CPU runs in interpret mode, slowly)")
+
+
+def weights_name(text: str) -> str:
+    """`--weights`: a weight format (kivi_jax.weights.WEIGHTS_HELP), checked when the command line is parsed."""
+    from kivi_jax.weights import check_weights
+
+    try:
+        return check_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    """`--weights`, shared by every subcommand that loads a model."""
+    p.add_argument("--weights", type=weights_name, default="auto", metavar="FORMAT",
+                   help="how the weights are held (default auto: a GGUF such as smollm2 keeps its own Q8_0/Q4_1 "
+                        "blocks; others their float weights); float32, bfloat16, gguf, int8, int4-g32, int4-g64, "
+                        "int4-g128, int4s-gG")

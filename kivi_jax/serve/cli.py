@@ -52,7 +52,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True)
     spec = cache_from_args(args)  # a bad spec fails before the model loads
     budget = None if args.cache_budget is None else parse_bytes(args.cache_budget)
     mesh = mesh_from_args(args)
-    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=progress, mesh=mesh)
+    model = kivi_jax.load(args.model, _dtype(args.dtype), progress=progress, mesh=mesh, weights=args.weights)
     return build_server(model, spec, slots=args.slots, cache_budget=budget, max_length=args.max_length,
                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,
