@@ -257,8 +257,9 @@ def abstract_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype, i
 
 
 def decode_temp_bytes(cfg: LlamaConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto") -> int:
-    """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values."""
-    params = abstract_params(cfg, dtype)
+    """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values (the params
+    prepared for `spec`, as every entry point prepares them)."""
+    params = jax.eval_shape(lambda p: rotation.prepare_params(p, parse_cache_spec(spec)), abstract_params(cfg, dtype))
     cache = abstract_cache(spec, cfg, batch, max_tokens, dtype, impl)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     compiled = decode_step_fn().lower(params, tokens, cache).compile()
