@@ -186,7 +186,9 @@ def cmd_bench_serve(args) -> int:
     from kivi_jax import bench
     from kivi_jax.bench_cli import spec_list
     from kivi_jax.serve.cli import server_from_args
+    from kivi_jax.serve.server import check_serve_extra
 
+    check_serve_extra(("httpx",) if args.url else ("fastapi", "uvicorn", "httpx"))
     if args.requests_per_client < 1 or args.max_tokens < 1 or max(args.clients) > 256:
         raise ValueError("--requests-per-client and --max-tokens must be at least 1, and at most 256 clients")
     model_name = args.served_model_name or args.model
