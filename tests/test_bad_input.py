@@ -96,6 +96,8 @@ CLI_CASES = [
     ("serve-max-queue-negative", ["serve", "--model", MODEL, "--max-queue", "-1"], ["--max-queue", "out of range"]),
     ("serve-body-limit-word", ["serve", "--model", MODEL, "--max-body-bytes", "lots"],
      ["bad byte size 'lots'", "512MiB"]),
+    ("bench-serve-nothing-listening", ["bench", "serve", "--url", "http://127.0.0.1:1", "--max-tokens", "2"],
+     ["cannot reach a server at http://127.0.0.1:1", "ConnectError", "start one with kivi-jax serve"]),
     ("serve-shutdown-timeout-nan", ["serve", "--model", MODEL, "--shutdown-timeout", "nan"],
      ["--shutdown-timeout", "not finite"]),
 ]

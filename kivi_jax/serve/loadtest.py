@@ -111,8 +111,12 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
     rows = []
     import httpx
 
-    with httpx.Client(timeout=3600) as http:
-        first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+    try:
+        with httpx.Client(timeout=3600) as http:
+            first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach a server at {url} ({type(e).__name__}: {e}); start one with kivi-jax serve "
+                           "or leave out --url") from None
     if first["status"] != 200:
         raise RuntimeError(f"the server at {url} answered a test request with HTTP {first['status']}")
     for clients in args.clients:
