@@ -188,7 +188,7 @@ def _redeliver_interrupt(previous_hook, unraisable) -> None:
     is delivered again to the main thread, from another thread so that it lands after the callback returns (should it
     land in one again, this hook sees it again)."""
     if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-        _thread.start_new_thread(_interrupt_main_soon, ())  # not threading.Thread: its start() waits (and runs bytecode)
+        _thread.start_new_thread(_interrupt_main_soon, ())  # not threading.Thread: its start() waits, running code
         return
     previous_hook(unraisable)
 

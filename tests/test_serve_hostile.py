@@ -37,8 +37,9 @@ HOSTILE = [
      "invalid_json", "NaN is not a JSON value"),
     ("top-p-infinity", "POST", CHAT, raw('{"model": "tiny", "messages": [], "top_p": Infinity}'), 400,
      "invalid_json", "Infinity is not a JSON value"),
-    ("temperature-overflows-to-inf", "POST", COMPLETIONS, raw('{"model": "tiny", "prompt": "hi", "temperature": 1e400}'),
-     400, "invalid_value", "temperature must be a finite number"),
+    ("temperature-overflows-to-inf", "POST", COMPLETIONS,
+     raw('{"model": "tiny", "prompt": "hi", "temperature": 1e400}'), 400, "invalid_value",
+     "temperature must be a finite number"),
     ("top-p-minus-infinity", "POST", COMPLETIONS, raw('{"model": "tiny", "prompt": "hi", "top_p": -1e999}'), 400,
      "invalid_value", "top_p must be a finite number"),
     ("lone-surrogate-in-chat", "POST", CHAT,
@@ -60,12 +61,14 @@ HOSTILE = [
      raw('{"model": "tiny", "messages": [' + "[" * 5000 + "]" * 5000 + "]}"), 400, "invalid_json", "nested too deeply"),
     ("nested-900-deep-in-n", "POST", COMPLETIONS, raw('{"model": "tiny", "prompt": "hi", "n": ' + "[" * 900 + "]" * 900
                                                       + "}"), 400, "invalid_value", "n=[[[["),
-    ("integer-of-5000-digits", "POST", COMPLETIONS, raw('{"model": "tiny", "prompt": "hi", "seed": ' + "9" * 5000 + "}"),
-     400, "invalid_json", "4300 digits"),
-    ("numeric-model", "POST", COMPLETIONS, {**HI, "model": 7}, 400, "invalid_type", "'model' must be a non-empty string"),
+    ("integer-of-5000-digits", "POST", COMPLETIONS,
+     raw('{"model": "tiny", "prompt": "hi", "seed": ' + "9" * 5000 + "}"), 400, "invalid_json", "4300 digits"),
+    ("numeric-model", "POST", COMPLETIONS, {**HI, "model": 7}, 400, "invalid_type",
+     "'model' must be a non-empty string"),
     ("empty-model", "POST", CHAT, {**HELLO, "model": ""}, 400, "invalid_type", "'model' must be a non-empty string"),
     ("no-model", "POST", COMPLETIONS, {"prompt": "hi"}, 400, "missing_parameter", "'model' is required"),
-    ("another-model", "POST", COMPLETIONS, {**HI, "model": "gpt-4o"}, 404, "model_not_found", '"gpt-4o" does not exist'),
+    ("another-model", "POST", COMPLETIONS, {**HI, "model": "gpt-4o"}, 404, "model_not_found",
+     '"gpt-4o" does not exist'),
     ("max-tokens-zero", "POST", COMPLETIONS, {**HI, "max_tokens": 0}, 400, "invalid_value", "positive integer"),
     ("max-tokens-negative", "POST", CHAT, {**HELLO, "max_completion_tokens": -3}, 400, "invalid_value",
      "max_completion_tokens must be a positive integer"),
@@ -81,7 +84,8 @@ HOSTILE = [
     ("top-k-minus-two", "POST", COMPLETIONS, {**HI, "top_k": -2}, 400, "invalid_value", "out of range"),
     ("seed-past-int64", "POST", COMPLETIONS, {**HI, "seed": 2**64}, 400, "invalid_value", "out of range"),
     ("seed-string", "POST", COMPLETIONS, {**HI, "seed": "42"}, 400, "invalid_value", "seed must be an integer"),
-    ("stream-string", "POST", COMPLETIONS, {**HI, "stream": "yes"}, 400, "invalid_value", "stream must be true or false"),
+    ("stream-string", "POST", COMPLETIONS, {**HI, "stream": "yes"}, 400, "invalid_value",
+     "stream must be true or false"),
     ("include-usage-string", "POST", COMPLETIONS, {**HI, "stream": True, "stream_options": {"include_usage": "yes"}},
      400, "invalid_value", "include_usage must be true or false"),
     ("stream-options-list", "POST", COMPLETIONS, {**HI, "stream_options": ["include_usage"]}, 400, "invalid_value",
@@ -103,7 +107,8 @@ HOSTILE = [
      "invalid_value", "only text content parts"),
     ("message-not-an-object", "POST", CHAT, {**HELLO, "messages": [None]}, 400, "invalid_value", "must be an object"),
     ("prompt-empty-list", "POST", COMPLETIONS, {**HI, "prompt": []}, 400, "invalid_value", "prompt must be a string"),
-    ("prompt-empty-string", "POST", COMPLETIONS, {**HI, "prompt": ""}, 400, "invalid_value", "the prompt has no tokens"),
+    ("prompt-empty-string", "POST", COMPLETIONS, {**HI, "prompt": ""}, 400, "invalid_value",
+     "the prompt has no tokens"),
     ("prompt-fractions", "POST", COMPLETIONS, {**HI, "prompt": [1.5, 2]}, 400, "invalid_value", "list of token ids"),
     ("prompt-negative-id", "POST", COMPLETIONS, {**HI, "prompt": [-1, 5]}, 400, "invalid_value", "outside [0, 96)"),
     ("prompt-huge-id", "POST", COMPLETIONS, {**HI, "prompt": [10**30]}, 400, "invalid_value", "outside [0, 96)"),
@@ -213,7 +218,7 @@ def test_a_huge_body_is_refused_at_once_and_costs_no_memory(served):
     r = HTTP.post(url + COMPLETIONS, content=(big[i : i + 2**20] for i in range(0, len(big), 2**20)),
                   headers={"content-type": "application/json"})
     assert r.status_code == 413 and error_of(r)["code"] == "body_too_large", r.text[:300]
-    assert f"past this server's limit of {limit} bytes (kivi-jax serve --max-body-bytes)" in r.json()["error"]["message"]
+    assert f"past this server's limit of {limit} bytes (kivi-jax serve --max-body-bytes)" in error_of(r)["message"]
     assert rss() - before < 200 * 2**20  # tokenizing it took 3.7 GB
 
 
@@ -233,7 +238,8 @@ def test_a_request_being_tokenized_holds_up_no_other_route(served, monkeypatch):
 
     monkeypatch.setattr(sched, "encode", slow_encode)
     results = {}
-    slow = threading.Thread(target=lambda: results.update(slow=send(url, "POST", COMPLETIONS, {**HI, "prompt": "slow"})))
+    slow = threading.Thread(target=lambda: results.update(
+        slow=send(url, "POST", COMPLETIONS, {**HI, "prompt": "slow"})))
     slow.start()
     try:
         assert started.wait(60)
@@ -370,11 +376,8 @@ def test_the_server_is_healthy_after_all_that(model, served, client):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Shutdown (what SIGTERM does to `kivi-jax serve`: ServerThread.stop sets the same flag)
-
-
-def port_of(thread) -> int:
-    return thread.port
+# Shutdown: `should_exit` is what uvicorn's SIGTERM handler sets in `kivi-jax serve` (tests/test_serve.py's fixture
+# shuts down the same way)
 
 
 def refused(port: int) -> bool:
@@ -391,14 +394,17 @@ def test_shutdown_lets_a_running_request_finish_and_refuses_new_ones(model):
     server = build(model, shutdown_timeout=120)
     thread = ServerThread(server.app).start()
     p = prompts(12, [6])[0]
-    want = alone(thread.url, p, 24)
+    want = alone(thread.url, p, 60)
+    assert len(want) == 60  # no EOS on the way: it runs for 60 steps
     result = {}
     running = threading.Thread(target=lambda: result.update(r=send(thread.url, "POST", COMPLETIONS, {
-        "model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "return_token_ids": True})))
+        "model": MODEL, "prompt": p, "max_tokens": 60, "temperature": 0, "return_token_ids": True})))
     running.start()
     assert wait_for(lambda: server.engine.count("live") == 1)
-    thread.server.should_exit = True  # what uvicorn's SIGTERM handler does
-    assert wait_for(lambda: refused(thread.port), timeout=30)
+    with server.scheduler.paused():  # running, and it cannot finish before the shutdown starts
+        assert server.engine.count("live") == 1
+        thread.server.should_exit = True
+        assert wait_for(lambda: refused(thread.port), timeout=30)
     running.join(120)
     thread.thread.join(60)
     assert not thread.thread.is_alive()

@@ -88,7 +88,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or "
+                         "--port") from None
     return sock
 
 

@@ -169,7 +169,8 @@ class API:
     def _too_large(self, declared: int | None) -> APIError:
         size = f" of {declared} bytes" if declared is not None else ""
         return APIError(413, f"the request body{size} is past this server's limit of {self.max_body_bytes} bytes "
-                             "(kivi-jax serve --max-body-bytes)", code="body_too_large", headers={"Connection": "close"})
+                             "(kivi-jax serve --max-body-bytes)", code="body_too_large",
+                        headers={"Connection": "close"})
 
     async def _read_body(self, http: HTTPRequest) -> bytes:
         """The body as it arrives, refused (413) as soon as it is known to pass `max_body_bytes`."""

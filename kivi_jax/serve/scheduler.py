@@ -2,9 +2,10 @@
 and incremental text. No HTTP here: a request carries an `emit` callback that receives its events.
 
 The thread loops: drop cancelled requests (freeing their slots), admit waiting requests into free slots (prefill and
-insert), then decode every live slot once. `cancel` takes a waiting request out of the queue at once; `drain` (at
-shutdown) refuses new requests and ends the waiting ones, while the live ones decode on. Text is decoded from all of a request's tokens each step and only the part
-that can no longer change is emitted (not a half multi-byte character, not the start of a stop string).
+insert), then decode every live slot once. Text is decoded from all of a request's tokens each step and only the part
+that can no longer change is emitted (not a half multi-byte character, not the start of a stop string). `cancel` takes
+a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and ends the waiting ones,
+while the live ones decode on.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class Scheduler:
             self._fail(req, SHUTTING_DOWN, status=503)
 
     def queue_length(self) -> int:
+        """Requests waiting for a slot."""
         return len(self.waiting)
 
     def count(self, name: str, n: int = 1) -> None:
