@@ -275,8 +275,9 @@ def abstract_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype, i
 def decode_temp_bytes(cfg: LlamaConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto",
                       params=None) -> int:
     """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values (`params`:
-    abstract params to use, default float ones in `dtype`)."""
+    abstract params to use, default float ones in `dtype`; prepared for `spec`, as every entry point prepares them)."""
     params = abstract_params(cfg, dtype) if params is None else params
+    params = jax.eval_shape(lambda p: rotation.prepare_params(p, parse_cache_spec(spec)), params)
     cache = abstract_cache(spec, cfg, batch, max_tokens, dtype, impl)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     compiled = decode_step_fn().lower(params, tokens, cache).compile()

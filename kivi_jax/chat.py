@@ -175,8 +175,15 @@ class Chat:
         """Continues a conversation saved by `save` (same model and cache spec)."""
         from kivi_jax.cache_io import restore_cache
 
+        from kivi_jax.checkpoint import CheckpointError
+
         cache, meta = restore_cache(path, self.params, self.spec, self.impl)
         if meta.get("kind") != "chat":
-            raise ValueError(f"{path} holds a cache but no conversation")
+            raise CheckpointError(f"{path} holds a cache but no conversation")
+        kinds = {"messages": list, "ids": list, "cache_text": str, "turns": int}
+        wrong = [k for k, kind in kinds.items() if not isinstance(meta.get(k), kind)]
+        if wrong:
+            raise CheckpointError(f"{path} holds a conversation whose metadata lacks {', '.join(wrong)} (or has the "
+                                  "wrong kind of value there); the save is damaged")
         self.cache, self.messages, self.cache_text = cache, meta["messages"], meta["cache_text"]
         self.ids, self.turns = meta["ids"], meta["turns"]

@@ -8,10 +8,15 @@ loads, with `argument --flag: <what is wrong>; <what is allowed>`.
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import atexit
+import functools
 import math
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -152,15 +157,56 @@ def silence_stdout() -> None:
 
 
 def run(func, *args) -> int:
-    """`func(*args)` with Ctrl-C and a closed stdout pipe turned into quiet exits (130 and 141)."""
+    """`func(*args)` with Ctrl-C and a closed stdout pipe turned into quiet exits (130 and 141).
+
+    Two things make Ctrl-C in a JAX program more than a KeyboardInterrupt:
+    - Python runs the SIGINT handler at its next bytecode, which may be inside a callback that cannot raise (jax's gc
+      callback, run by an allocation in XLA's C++ code): the KeyboardInterrupt is printed as "Exception ignored" and
+      the program goes on. `_redeliver_interrupt` raises it again in the program itself.
+    - An XLA compile runs on XLA's thread pool; Ctrl-C ends only the wait for it. At exit jax's atexit `clean_up`
+      destroys the CPU client while that compile is still running, and the compile thread then crashes (SIGSEGV).
+      An interrupted process therefore ends with `os._exit` at its own exit, after the output is flushed and every
+      `finally` has run, skipping the interpreter's teardown (see `_exit_at_exit`).
+    """
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_redeliver_interrupt, previous_hook)
     try:
         return func(*args)
     except KeyboardInterrupt:
         print("\nkivi-jax: interrupted", file=sys.stderr)
+        atexit.register(_exit_at_exit, EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         silence_stdout()
         return EXIT_BROKEN_PIPE
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def _redeliver_interrupt(previous_hook, unraisable) -> None:
+    """A `sys.unraisablehook`: a KeyboardInterrupt that landed where it cannot be raised (a gc callback, a `__del__`)
+    is delivered again to the main thread, from another thread so that it lands after the callback returns (should it
+    land in one again, this hook sees it again)."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        _thread.start_new_thread(_interrupt_main_soon, ())  # not threading.Thread: its start() waits, running code
+        return
+    previous_hook(unraisable)
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.01)  # the callback that swallowed the interrupt has returned by then
+    _thread.interrupt_main(signal.SIGINT)
+
+
+def _exit_at_exit(code: int) -> None:
+    """Registered last, so it runs first at exit: flush and leave without the teardown (jax's `clean_up` and the
+    interpreter's finalization) that an abandoned compile would crash."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 def add_impl_arg(p: argparse.ArgumentParser) -> None:

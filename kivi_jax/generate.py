@@ -84,7 +84,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
         order = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(order, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-        cutoff = jnp.min(jnp.where(before < sampling.top_p, order, jnp.inf), axis=-1, keepdims=True)
+        kept = (before < sampling.top_p) | (before == 0)  # the most likely token always (top_p may round to 0)
+        cutoff = jnp.min(jnp.where(kept, order, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(key, logits).astype(jnp.int32)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import jax
 import jax.numpy as jnp
 
 SEED = 20240101  # the random basis where head_dim is not a power of two
@@ -58,6 +59,9 @@ def rotate_values(params):
     wo = jnp.einsum("dc,lqde->lqce", h, wo_f.reshape(layers, q_heads, d, -1)).reshape(wo_f.shape)  # H^T @ each head
 
     def back(new, old):
+        if weights.is_quantized(old) and isinstance(new, jax.core.Tracer):  # abstract (eval_shape): shapes only
+            shapes = weights.abstract_matrix(new.shape, ROTATED_FORMAT, transposed=True).replace(impl=old.impl)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         if weights.is_quantized(old):
             return weights.quantize_matrix(jnp.swapaxes(new, -1, -2), ROTATED_FORMAT, transposed=True).replace(
                 impl=old.impl)

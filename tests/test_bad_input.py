@@ -90,6 +90,16 @@ CLI_CASES = [
      ["--layers", "'1.5' is not an integer", "integer >= 1"]),
     ("bench-plot-unwritable", ["bench", "decode", "--model", MODEL, "--plot", "/sys/d.png"],
      ["--plot", "cannot write /sys/d.png", "give a path you can write to"]),
+    ("serve-port-past-65535", ["serve", "--model", MODEL, "--port", "70000"],
+     ["--port", "70000 is out of range", "from 0 to 65535"]),
+    ("serve-slots-zero", ["serve", "--model", MODEL, "--slots", "0"], ["--slots", "0 is out of range", ">= 1"]),
+    ("serve-max-queue-negative", ["serve", "--model", MODEL, "--max-queue", "-1"], ["--max-queue", "out of range"]),
+    ("serve-body-limit-word", ["serve", "--model", MODEL, "--max-body-bytes", "lots"],
+     ["bad byte size 'lots'", "512MiB"]),
+    ("bench-serve-nothing-listening", ["bench", "serve", "--url", "http://127.0.0.1:1", "--max-tokens", "2"],
+     ["cannot reach a server at http://127.0.0.1:1", "ConnectError", "start one with kivi-jax serve"]),
+    ("serve-shutdown-timeout-nan", ["serve", "--model", MODEL, "--shutdown-timeout", "nan"],
+     ["--shutdown-timeout", "not finite"]),
 ]
 
 
@@ -105,7 +115,31 @@ def test_cli_bad_input(capsys, model_dir, argv, expected):
     for piece in expected:
         assert piece in err, f"{piece!r} not in {err!r}"
     assert "Traceback" not in err and ".partial" not in err
-    assert err.count("\n") <= 15  # a usage block and one line, never a dump
+    lines = err.splitlines()
+    if lines[0].startswith("usage:"):  # argparse: the usage block (indented continuation lines) and one error line
+        assert all(line.startswith(" ") for line in lines[1:-1]) and ": error: " in lines[-1], err
+    else:
+        assert len(lines) <= 15  # one line (and progress bars), never a dump
+
+
+def test_serve_on_a_busy_port_fails_before_the_model_loads(capsys, model_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(capsys, ["serve", "--model", "/no/such/model", "--port", str(port)], model_dir)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "choose another --host or --port" in err
+
+
+def test_serve_without_the_serve_extra_says_what_to_install(capsys, model_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` raises ModuleNotFoundError
+    code, _, err = run_cli(capsys, ["serve", "--model", MODEL], model_dir)
+    assert code == 2 and 'pip install "kivi-jax[serve]"' in err and 'pip install ".[serve]"' in err
+    assert "uvicorn" in err and "Traceback" not in err
 
 
 @pytest.fixture(scope="module")

@@ -121,6 +121,11 @@ def test_bench_memory_json_and_plot(tiny, capsys, tmp_path):
     assert is_png(tmp_path / "memory.png")
 
 
+def test_bench_memory_lowers_a_value_rotated_cache_with_rotated_params(tiny):
+    _, model = tiny  # `bench memory --cache kivi2+` (any -rotv spec) failed here: "prepare them for this cache"
+    assert bench.decode_temp_bytes(model.config, "k2v2-g16-r32-rotv", 1, 256, jnp.float32) > 0
+
+
 def test_bench_generate_json_and_plot(tiny, capsys, tmp_path):
     path, _ = tiny
     out = run_cli(capsys, "generate", "--model", path, "--batch", "1,2", "--prompt-len", "20", "--new-tokens", "4",

@@ -4,12 +4,14 @@ import io
 import json
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kivi_jax
 from kivi_jax.chat import Chat, ConversationFullError
 from kivi_jax.checkpoint import CheckpointError
+from kivi_jax.models.llama import cast_params
 
 # A template whose rendering of the history extends what the cache holds (as real chat templates do).
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
@@ -55,6 +57,8 @@ def test_past_the_model_positions_the_conversation_is_full(model):
 
 
 def test_save_restore_continues_exactly_and_mismatches_say_what_differs(model, tiny_dirs, tmp_path):
+    from kivi_jax.cache_io import _meta_sha
+
     straight = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10)
     straight.send("remember this sentence please")
     saved = Chat(model, cache="k2v2-g16-r32", max_new_tokens=10)
@@ -75,6 +79,7 @@ def test_save_restore_continues_exactly_and_mismatches_say_what_differs(model, t
     shutil.copytree(tmp_path / "c", broken)
     meta = json.loads((broken / "cache.json").read_text())
     meta["sha256"][next(iter(meta["sha256"]))] = "0" * 64
+    meta["meta_sha256"] = _meta_sha(meta)  # as if the leaf, not cache.json, had changed
     (broken / "cache.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="does not match its checksum"):
         kivi_jax.restore_cache(broken, model.params)
@@ -88,6 +93,53 @@ def test_save_restore_continues_exactly_and_mismatches_say_what_differs(model, t
     (broken / "cache.json").unlink()
     with pytest.raises(CheckpointError, match="is not a kivi_jax cache save"):
         kivi_jax.restore_cache(broken, model.params)
+
+
+def test_a_damaged_or_mismatched_save_says_which_it_is(model, tmp_path, capfd):
+    from kivi_jax.cache_io import _meta_sha  # what a save writes over its cache.json
+
+    for spec in ("k2v2-g16-r32", "k2v2-g16-r32-rotv"):
+        Chat(model, cache=spec).save(tmp_path / spec)  # an empty conversation will do
+    # another spec, rotated or not: the spec is what differs (the rotated params' weights differ too)
+    with pytest.raises(CheckpointError, match=r"holds a 'k2v2-g16-r32' cache, not 'k2v2-g16-r32-rotv'"):
+        Chat(model, cache="k2v2-g16-r32-rotv").load(tmp_path / "k2v2-g16-r32")
+    with pytest.raises(CheckpointError, match=r"holds a 'k2v2-g16-r32-rotv' cache, not 'k2v2-g16-r32'"):
+        Chat(model, cache="k2v2-g16-r32").load(tmp_path / "k2v2-g16-r32-rotv")
+    kivi_jax.restore_cache(tmp_path / "k2v2-g16-r32-rotv", model.params)  # the model's own params, prepared here
+    with pytest.raises(CheckpointError, match="saved with the model in float32, this model runs in bfloat16"):
+        kivi_jax.restore_cache(tmp_path / "k2v2-g16-r32", cast_params(model.params, jnp.bfloat16))
+
+    def edited(name, edit, resum):
+        path = tmp_path / name
+        shutil.copytree(tmp_path / "k2v2-g16-r32", path)
+        meta = json.loads((path / "cache.json").read_text())
+        edit(meta)
+        if resum:
+            meta["meta_sha256"] = _meta_sha(meta)
+        (path / "cache.json").write_text(json.dumps(meta))
+        return path
+
+    # an edited cache.json is corruption, not another model
+    weights = edited("weights", lambda m: m["model"].update(weights_sha256="0" * 64), resum=False)
+    with pytest.raises(CheckpointError, match="cache.json is corrupt: its contents do not match"):
+        kivi_jax.restore_cache(weights, model.params)
+    weights = edited("weights2", lambda m: m["model"].update(weights_sha256="0" * 64), resum=True)
+    with pytest.raises(CheckpointError, match="belongs to another model: the same architecture with different weights"):
+        kivi_jax.restore_cache(weights, model.params)
+    # a conversation without one of its keys: a clear error, not a KeyError
+    nokey = edited("nokey", lambda m: m["metadata"].pop("cache_text"), resum=True)
+    with pytest.raises(CheckpointError, match="metadata lacks cache_text"):
+        Chat(model, cache="k2v2-g16-r32").load(nokey)
+    # truncated array files: found before orbax reads them (which printed "Event loop is closed" tracebacks)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tmp_path / "k2v2-g16-r32", truncated)
+    for f in sorted((truncated / "arrays").rglob("*")):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    capfd.readouterr()
+    with pytest.raises(CheckpointError, match=r"is truncated or corrupt: arrays/.*d/\w+ has \d+ bytes, the save wrote"):
+        Chat(model, cache="k2v2-g16-r32").load(truncated)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_the_chat_repl_reads_piped_stdin(model, tiny_dirs, tmp_path, monkeypatch, capsys):

@@ -50,14 +50,20 @@ def model(tiny_dirs):
     return m
 
 
+def build(model, **kwargs):
+    """The test server: two decode groups of two slots (concurrent requests span both, an idle group is skipped).
+    Another one built alike runs the same compiled functions."""
+    from kivi_jax.serve.server import build_server
+
+    return build_server(model, SPEC, slots=SLOTS, max_length=MAX_LENGTH, prefill_chunk=64, max_queue=MAX_QUEUE,
+                        model_name=MODEL, decode_group=2, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def served(model):
     from kivi_jax.serve.http import ServerThread
-    from kivi_jax.serve.server import build_server
 
-    # two decode groups of two slots: concurrent requests span both, an idle group is skipped
-    server = build_server(model, SPEC, slots=SLOTS, max_length=MAX_LENGTH, prefill_chunk=64, max_queue=MAX_QUEUE,
-                          model_name=MODEL, decode_group=2)
+    server = build(model)
     with ServerThread(server.app) as thread:
         yield server, thread.url
 
@@ -99,6 +105,11 @@ def test_per_row_sampler_is_argmax_for_greedy_rows_and_generates_draw_for_sample
     want = [int(sample_tokens(logits[i : i + 1], keys[i], r)[0]) for i, r in enumerate(rows)]
     assert np.asarray(got).tolist() == want
     assert int(got[0]) == int(jnp.argmax(logits[0]))
+    # A top_p that is 0 in float32 keeps the most likely token (it kept none, and every draw was token 0).
+    tiny = Sampling(1.0, top_p=1e-300)
+    assert int(sample_tokens(logits[1:2], keys[1], tiny)[0]) == int(jnp.argmax(logits[1]))
+    got = sample_rows(logits, keys, jnp.ones(4), jnp.zeros(4, jnp.int32), jnp.full(4, 1e-300))
+    assert np.array_equal(np.asarray(got), np.argmax(np.asarray(logits), axis=-1))
     # All rows greedy: exactly argmax (the cut's sort does not run).
     zeros = jnp.zeros(4)
     greedy = sample_rows(logits, keys, zeros, jnp.zeros(4, jnp.int32), jnp.ones(4))
@@ -304,7 +315,7 @@ def test_queue_full_answers_503_at_once_and_loses_nothing(model, served):
     with sched.paused():
         for t in threads:
             t.start()
-        assert wait_for(lambda: sched.queue.qsize() == MAX_QUEUE)
+        assert wait_for(lambda: sched.queue_length() == MAX_QUEUE)
         rejected = [httpx.post(url + "/v1/completions", timeout=30,
                                json={"model": MODEL, "prompt": "one too many", "max_tokens": 5}) for _ in range(3)]
         assert not results  # the scheduler is paused: nothing queued has been answered

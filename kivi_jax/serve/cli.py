@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 
 
 def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> None:
     """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
     from kivi_jax.cli import add_cache_args, add_mesh_args, add_model_args
+    from kivi_jax.cli_args import integer
     from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK
 
     add_model_args(p)
     add_cache_args(p, cache_default)
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--slots", type=int, default=None, help="sequences decoded together (default 8)")
+    cap.add_argument("--slots", type=integer(1), default=None, help="sequences decoded together (default 8)")
     cap.add_argument("--cache-budget", default=None,
                      help="bytes for the batch cache, e.g. 4GiB: the most slots of --max-length tokens that fit")
-    p.add_argument("--max-length", type=int, default=None,
+    p.add_argument("--max-length", type=integer(2), default=None,
                    help="tokens a slot holds, prompt plus output (default 4096 or the model's positions)")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+    p.add_argument("--prefill-chunk", type=integer(1), default=DEFAULT_PREFILL_CHUNK,
                    help=f"prompt tokens prefilled per step (default {DEFAULT_PREFILL_CHUNK}; one compilation each)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; past it: 503")
-    p.add_argument("--decode-group", type=int, default=None,
+    p.add_argument("--max-queue", type=integer(1), default=64, help="requests that may wait for a slot; past it: 503")
+    p.add_argument("--decode-group", type=integer(1), default=None,
                    help="decode the slots in groups of this many, skipping groups with no live request (default: "
                         "all slots in one step; on a compute-bound CPU, idle slots otherwise cost time)")
     p.add_argument("--no-prefix-reuse", action="store_true",
@@ -35,36 +37,73 @@ def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over the cache",
                        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
                                    "(docs/serving.md).")
+    from kivi_jax.cli_args import integer, real
+    from kivi_jax.serve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+
     add_serve_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--served-model-name", default=None, help="the model id clients ask for (default: --model)")
+    p.add_argument("--max-body-bytes", default=None,
+                   help=f"the largest request body, e.g. 8MiB (default {DEFAULT_MAX_BODY_BYTES // 2**20} MiB); past "
+                        "it: 413")
+    p.add_argument("--shutdown-timeout", type=real(0.0), default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help=f"seconds running requests get to finish after SIGTERM or Ctrl-C before they are ended "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); waiting ones end at once")
     p.set_defaults(func=cmd_serve)
 
 
-def server_from_args(args, model_name: str | None = None, progress: bool = True):
-    """Loads the model and builds the server the flags describe."""
+def server_from_args(args, model_name: str | None = None, progress: bool = True, before_load=None):
+    """Loads the model and builds the server the flags describe; `before_load()` runs once the flags are checked,
+    before the model loads (`serve` binds its port there, so that a busy port fails at once)."""
     import kivi_jax
     from kivi_jax.bench import parse_bytes
     from kivi_jax.cli import _dtype, cache_from_args, mesh_from_args
-    from kivi_jax.serve.server import build_server
+    from kivi_jax.serve.server import build_server, check_serve_extra
 
-    spec = cache_from_args(args)  # a bad spec fails before the model loads
+    spec = cache_from_args(args)  # a bad spec, size or missing extra fails before the model loads
     budget = None if args.cache_budget is None else parse_bytes(args.cache_budget)
+    body = getattr(args, "max_body_bytes", None)
+    body = None if body is None else parse_bytes(body)
+    if body is not None and body < 1:
+        raise ValueError(f"--max-body-bytes {args.max_body_bytes} must be at least 1 byte")
+    check_serve_extra()
+    if before_load is not None:
+        before_load()
     mesh = mesh_from_args(args)
     model = kivi_jax.load(args.model, _dtype(args.dtype), progress=progress, mesh=mesh, weights=args.weights)
     return build_server(model, spec, slots=args.slots, cache_budget=budget, max_length=args.max_length,
                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,
-                        model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh)
+                        model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh,
+                        max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None))
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (a busy port fails at once); port 0 takes a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or "
+                         "--port") from None
+    return sock
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
+    sockets = []
+    server = server_from_args(args, args.served_model_name,
+                              before_load=lambda: sockets.append(listen_socket(args.host, args.port)))
+    sock = sockets[0]
+    from kivi_jax.serve.http import make_uvicorn
 
-    server = server_from_args(args, args.served_model_name)
     print(f"kivi-jax serve: model {server.model_name!r}; {server.describe()}", file=sys.stderr, flush=True)
     print(json.dumps({"capacity": server.capacity}), file=sys.stderr)
-    print(f"listening on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
+    host, port = sock.getsockname()[:2]
+    uv = make_uvicorn(server.app, host, port, log_level="info")
+    print(f"listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1", file=sys.stderr, flush=True)
+    uv.run(sockets=[sock])  # SIGTERM or Ctrl-C: drains (docs/serving.md), then exits as that signal asks
     return 0

@@ -266,11 +266,16 @@ class Engine:
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
         if prompt_tokens + max_tokens > self.max_length:
+            room = []
+            if max_tokens < self.max_length:
+                room.append(f"shorten the prompt to at most {self.max_length - max_tokens} tokens")
+            if prompt_tokens < self.max_length:
+                room.append(f"lower max_tokens to at most {self.max_length - prompt_tokens}")
             raise ValueError(
                 f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: {prompt_tokens + max_tokens} "
-                f"tokens do not fit a slot of {self.max_length} tokens; shorten the prompt to at most "
-                f"{max(self.max_length - max_tokens, 0)} tokens or lower max_tokens to at most "
-                f"{max(self.max_length - prompt_tokens, 0)}")
+                f"tokens do not fit a slot of {self.max_length} tokens; "
+                + (" or ".join(room) or f"both must shrink: a prompt of at most {self.max_length - 1} tokens and "
+                                        "max_tokens of at most the rest"))
 
     # -- prefill and insert -------------------------------------------------------------------------------------------
 

@@ -2,14 +2,21 @@
 streams their events back. It never touches the engine.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streaming as server-sent events or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Errors are OpenAI error objects: 400 invalid parameters or a prompt that
-does not fit a slot, 404 unknown model, 503 queue full.
+GET /health, GET /metrics (Prometheus text). Every error is an OpenAI error object: 400 invalid parameters or a prompt
+that does not fit a slot, 404 unknown model or route, 405 wrong method, 413 a body past `max_body_bytes`, 503 queue
+full or shutting down.
+
+A request body is read as it arrives (never more than `max_body_bytes` of it) and parsed and tokenized in a worker
+thread, so a large or slow request holds up no other route. A client that disconnects cancels its request, waiting or
+running. At shutdown (`UvicornServer`) the server stops admitting, ends the waiting requests and half-sent bodies with
+503 and gives the running ones `shutdown_timeout` seconds before it ends them too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
@@ -17,11 +24,16 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kivi_jax.serve.sampling import RowSampling
-from kivi_jax.serve.scheduler import TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler
+from kivi_jax.serve.scheduler import (SHUTTING_DOWN, TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler,
+                                      ShuttingDown)
+from kivi_jax.serve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_K = 2**31 - 1  # an int32 in the sampler
 # Accepted and ignored (they change nothing here) or accepted only at their default value.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 DEFAULT_ONLY = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": None,
@@ -34,21 +46,48 @@ COMPLETION_KEYS = COMMON | {"prompt"}
 ROLES = ("system", "developer", "user", "assistant")
 
 
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a lone surrogate echoed from a request cannot break the reply."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """`value` as JSON for a message, cut to `limit` characters (a request may send anything, of any size)."""
+    try:
+        text = json.dumps(value)
+    except (RecursionError, TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _text(param: str, text: str) -> str:
+    """`text` if it is valid Unicode; a lone surrogate (JSON can spell one, "\\ud800") is a 400 naming where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(param, f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character "
+                          f"{e.start}; send UTF-8 text (surrogates only in pairs)") from None
+    return text
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, lo_open: bool = False, integer: bool = False):
@@ -56,12 +95,49 @@ def _number(body: dict, name: str, default, lo: float, hi: float, lo_open: bool 
     if v is None:
         return default
     kind = int if integer else (int, float)
-    if isinstance(v, bool) or not isinstance(v, kind):
-        raise _bad(name, f"{name} must be {'an integer' if integer else 'a number'}, not {json.dumps(v)}")
+    if isinstance(v, bool) or not isinstance(v, kind) or (isinstance(v, float) and not math.isfinite(v)):
+        what = "an integer" if integer else "a finite number"
+        raise _bad(name, f"{name} must be {what}, not {_show(v)}")
     if v < lo or (lo_open and v == lo) or v > hi:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise _bad(name, f"{name}={v} is out of range: it must be in {interval}")
+        raise _bad(name, f"{name}={_show(v)} is out of range: it must be in {interval}")
     return v
+
+
+def _flag(body: dict, name: str, where: dict | None = None) -> bool:
+    v = (body if where is None else where).get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(name, f"{name} must be true or false, not {_show(v)}")
+    return v
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value (JSON has no NaN or Infinity)")
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 `invalid_json` that says why not."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to parse; send a JSON object of plain values",
+                       code="invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8 ({e.reason} at byte {e.start}); send UTF-8 JSON",
+                       code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, NaN / Infinity, an integer past Python's 4300 digits
+        reason = str(e).split(";")[0]
+        raise APIError(400, f"the request body is not valid JSON ({reason}); send a JSON object",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _shutting_down(message: str | None = None) -> APIError:
+    return APIError(503, message or SHUTTING_DOWN, type_="server_error", code="shutting_down")
 
 
 class Parsed:
@@ -76,47 +152,99 @@ class Parsed:
 class API:
     """The routes over one scheduler; `model_name` is the only model `/v1/models` lists."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str):
+    def __init__(self, scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={max_body_bytes} must be at least 1")
+        if not shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout={shutdown_timeout} must be a number of seconds >= 0")
         self.scheduler, self.engine, self.model_name = scheduler, scheduler.engine, model_name
+        self.max_body_bytes, self.shutdown_timeout = max_body_bytes, shutdown_timeout
         self.created = int(time.time())
+        self.draining = asyncio.Event()  # set once at shutdown (`start_draining`)
+        self.running: dict[str, tuple[Request, asyncio.Queue]] = {}  # id -> a queued or live request, its events
 
-    # -- parsing ------------------------------------------------------------------------------------------------------
+    # -- reading and parsing ------------------------------------------------------------------------------------------
 
-    async def _json(self, request: HTTPRequest) -> dict:
-        raw = await request.body()
+    def _too_large(self, declared: int | None) -> APIError:
+        size = f" of {declared} bytes" if declared is not None else ""
+        return APIError(413, f"the request body{size} is past this server's limit of {self.max_body_bytes} bytes "
+                             "(kivi-jax serve --max-body-bytes)", code="body_too_large",
+                        headers={"Connection": "close"})
+
+    async def _read_body(self, http: HTTPRequest) -> bytes:
+        """The body as it arrives, refused (413) as soon as it is known to pass `max_body_bytes`."""
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        chunks, size = [], 0
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json")
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        return body
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise self._too_large(None)
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was whole: nobody reads the answer
+            raise APIError(499, "the client disconnected before its request body was whole") from None
+        return b"".join(chunks)
+
+    async def _unless_draining(self, awaitable):
+        """`awaitable`'s result, or a 503 once the server starts shutting down (a half-sent body ends then)."""
+        task, drain = asyncio.ensure_future(awaitable), asyncio.ensure_future(self.draining.wait())
+        try:
+            done, _ = await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
+            return task.result()
+        raise _shutting_down()
+
+    def parse(self, raw: bytes, chat: bool) -> "Parsed":
+        """Validates and tokenizes a request body (in a worker thread: tokenizing a long prompt takes a while)."""
+        try:
+            body = parse_json(raw)
+            if chat:
+                parsed = self._common(body, CHAT_KEYS, "max_completion_tokens")
+                parsed.prompt = self._chat_prompt(body)
+            else:
+                parsed = self._common(body, COMPLETION_KEYS)
+                parsed.prompt = self._completion_prompt(body)
+            self._check_fit(parsed, "messages" if chat else "prompt")
+        except RecursionError:  # a value nested nearly as deep as the parser allows, in a key that is looked into
+            raise APIError(400, "the request is nested too deeply; send plain values", code="invalid_value") from None
+        return parsed
 
     def _common(self, body: dict, allowed: set[str], max_tokens_key: str = "max_tokens") -> Parsed:
         """Everything but the prompt (which the caller fills in)."""
         unknown = sorted(set(body) - allowed - IGNORED - set(DEFAULT_ONLY))
         if unknown:
-            raise APIError(400, f"unrecognized request argument(s): {', '.join(unknown)}; this server accepts "
-                                f"{', '.join(sorted(allowed | set(DEFAULT_ONLY)))}", param=unknown[0],
+            names = ", ".join(_show(k, 40) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise APIError(400, f"unrecognized request argument(s): {names}; this server accepts "
+                                f"{', '.join(sorted(allowed | set(DEFAULT_ONLY)))}", param=unknown[0][:100],
                            code="unknown_parameter")
         for k, default in DEFAULT_ONLY.items():
             v = body.get(k)
             if v is not None and v != default and not (k == "logit_bias" and v == {}) and not (
                     k == "logprobs" and v is False):
-                raise _bad(k, f"{k}={json.dumps(v)} is not supported by this server (only {json.dumps(default)})")
+                raise _bad(k, f"{k}={_show(v)} is not supported by this server (only {json.dumps(default)})")
         model = body.get("model")
-        if not isinstance(model, str) or not model:
+        if model is None:
             raise APIError(400, f"'model' is required; this server serves {self.model_name!r}", param="model",
                            code="missing_parameter")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, f"'model' must be a non-empty string, the served model's id {self.model_name!r}, "
+                                f"not {_show(model)}", param="model", code="invalid_type")
         if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+            raise APIError(404, f"the model {_show(model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         key = max_tokens_key if body.get(max_tokens_key) is not None else "max_tokens"
         max_tokens = body.get(key)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
-            raise _bad(key, f"{key} must be a positive integer, not {json.dumps(max_tokens)}")
-        top_k = _number(body, "top_k", 0, -1, 1 << 31, integer=True)
+            raise _bad(key, f"{key} must be a positive integer, not {_show(max_tokens)}")
+        top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)
         sampling = RowSampling(
             temperature=float(_number(body, "temperature", 1.0, 0, 2)),
             top_p=float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)),
@@ -133,26 +261,29 @@ class API:
         elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
             stop = tuple(stop)
         else:
-            raise _bad("stop", "stop must be a string or a list of strings")
+            raise _bad("stop", f"stop must be a string or a list of strings, not {_show(stop)}")
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise _bad("stop", f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _bad("stream", "stream must be true or false")
+        stop = tuple(_text("stop", s) for s in stop)
+        stream = _flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise _bad("stream_options", "stream_options takes only include_usage")
-        token_ids = body.get("return_token_ids", False)
-        if not isinstance(token_ids, bool):
-            raise _bad("return_token_ids", "return_token_ids must be true or false")
-        return Parsed([], max_tokens, sampling, stop, stream, bool(options.get("include_usage")), token_ids)
+            raise _bad("stream_options", "stream_options takes only include_usage (true or false)")
+        include_usage = _flag(body, "include_usage", options)
+        _flag(body, "continuous_usage_stats", options)  # accepted; every stream's last chunk carries the usage
+        token_ids = _flag(body, "return_token_ids")
+        return Parsed([], max_tokens, sampling, stop, stream, include_usage, token_ids)
 
     def _check_fit(self, parsed: Parsed, param: str) -> None:
         n = len(parsed.prompt)
-        if parsed.max_tokens is None:
-            parsed.max_tokens = self.engine.max_length - n  # the rest of the slot
         if n < 1:
             raise _bad(param, "the prompt has no tokens")
+        if parsed.max_tokens is None:
+            if n >= self.engine.max_length:
+                raise APIError(400, f"the prompt has {n} tokens: a slot holds {self.engine.max_length} tokens, prompt "
+                                    f"and output together; shorten the prompt to at most {self.engine.max_length - 1} "
+                                    "tokens", param=param, code="context_length_exceeded")
+            parsed.max_tokens = self.engine.max_length - n  # the rest of the slot
         try:
             self.engine.check_fits(n, max(parsed.max_tokens, 1))
         except ValueError as e:
@@ -164,7 +295,7 @@ class API:
             raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
         clean = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
                 raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
             content = m.get("content")
             if isinstance(content, list):
@@ -173,13 +304,23 @@ class API:
                     raise _bad(f"messages[{i}].content", "only text content parts are supported")
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
-                raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-            clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+                raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string, not {_show(content)}")
+            clean.append({"role": "system" if m["role"] == "developer" else m["role"],
+                          "content": _text(f"messages[{i}].content", content)})
         tok = self.scheduler.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        text = self.scheduler.apply_chat_template(clean)
-        return list(self.scheduler.encode(text, add_special_tokens=False)["input_ids"])
+        try:
+            text = self.scheduler.apply_chat_template(clean)
+        except Exception as e:  # noqa: BLE001 (jinja2's TemplateError, or the template's own raise_exception)
+            raise _bad("messages", f"the model's chat template refused these messages: {e}") from None
+        return self._encode("messages", text, add_special_tokens=False)
+
+    def _encode(self, param: str, text: str, **kwargs) -> list[int]:
+        try:
+            return list(self.scheduler.encode(text, **kwargs)["input_ids"])
+        except Exception as e:  # noqa: BLE001 (a tokenizer raises many kinds; the text is what it could not take)
+            raise _bad(param, f"the tokenizer could not encode {param}: {type(e).__name__}: {str(e)[:200]}") from None
 
     def _completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -188,12 +329,12 @@ class API:
         if isinstance(prompt, str):
             if self.scheduler.tokenizer is None:
                 raise _bad("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
-            return list(self.scheduler.encode(prompt)["input_ids"])
+            return self._encode("prompt", _text("prompt", prompt))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.engine.cfg.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise _bad("prompt", f"token ids outside [0, {vocab}): {bad[:5]}")
+                raise _bad("prompt", f"token ids outside [0, {vocab}): {_show(bad[:5])}")
             return prompt
         raise _bad("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
 
@@ -214,31 +355,43 @@ class API:
             self.scheduler.submit(req)
         except QueueFull as e:
             raise APIError(503, str(e), type_="server_error", code="queue_full") from None
+        except ShuttingDown:
+            raise _shutting_down() from None
+        self.running[req.id] = req, events
         return req, events
 
-    async def _collect(self, http: HTTPRequest, req: Request, events: asyncio.Queue) -> tuple[list[Event], Event]:
-        """All of a request's events up to `done`; cancels it if the client goes away meanwhile."""
-        deltas = []
-        try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        req.cancel()
-                        raise APIError(499, "client disconnected")
-                    continue
-                if ev.kind == "delta":
-                    deltas.append(ev)
-                elif ev.kind == "error":
-                    raise APIError(500, ev.message, type_="server_error")
-                else:
-                    return deltas, ev
-        except asyncio.CancelledError:
-            req.cancel()
-            raise
+    def _end(self, req: Request) -> None:
+        """The request is answered or abandoned: cancel it (a no-op once done) and forget it."""
+        self.scheduler.cancel(req)
+        self.running.pop(req.id, None)
 
-    def _stream(self, req: Request, events: asyncio.Queue, parsed: Parsed, chat: bool) -> StreamingResponse:
+    async def _cancel_on_disconnect(self, http: HTTPRequest, req: Request, events: asyncio.Queue) -> None:
+        """Waits for the client to go away, then cancels its request (it leaves the queue, or frees its slot before
+        the next decode step) and wakes whoever waits for its events."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        self._end(req)
+        events.put_nowait(Event("error", message="the client disconnected", status=499))
+
+    def _error(self, ev: Event) -> APIError:
+        if ev.status == 503:
+            return _shutting_down(ev.message)
+        return APIError(ev.status, ev.message, type_="server_error")
+
+    async def _collect(self, req: Request, events: asyncio.Queue) -> tuple[list[Event], Event]:
+        """All of a request's events up to `done`."""
+        deltas = []
+        while True:
+            ev = await events.get()
+            if ev.kind == "delta":
+                deltas.append(ev)
+            elif ev.kind == "error":
+                raise self._error(ev)
+            else:
+                return deltas, ev
+
+    def _stream(self, req: Request, events: asyncio.Queue, parsed: Parsed, chat: bool,
+                watcher: asyncio.Task) -> StreamingResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + req.id
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -271,7 +424,7 @@ class API:
                     if ev.kind == "delta":
                         yield chunk([choice(ev.text, None, ev.token_ids)])
                     elif ev.kind == "error":
-                        yield "data: " + json.dumps(APIError(500, ev.message, "server_error").body()) + "\n\n"
+                        yield "data: " + json.dumps(self._error(ev).body()) + "\n\n"
                         break
                     else:
                         yield chunk([choice(None if chat else "", ev.finish_reason, [])])
@@ -280,27 +433,32 @@ class API:
                         break
                 yield "data: [DONE]\n\n"
             finally:
-                req.cancel()  # a no-op once the request is done; frees the slot if the client went away
+                watcher.cancel()
+                self._end(req)  # frees the slot if the client went away
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def completions(self, http: HTTPRequest, chat: bool):
+        req = watcher = None
+        streaming = False
         try:
-            body = await self._json(http)
-            if chat:
-                parsed = self._common(body, CHAT_KEYS, "max_completion_tokens")
-                parsed.prompt = self._chat_prompt(body)
-            else:
-                parsed = self._common(body, COMPLETION_KEYS)
-                parsed.prompt = self._completion_prompt(body)
-            self._check_fit(parsed, "messages" if chat else "prompt")
+            if self.draining.is_set():
+                raise _shutting_down()
+            raw = await self._unless_draining(self._read_body(http))
+            parsed = await asyncio.to_thread(self.parse, raw, chat)
             req, events = self._submit(parsed)
+            watcher = asyncio.create_task(self._cancel_on_disconnect(http, req, events))
             if parsed.stream:
-                return self._stream(req, events, parsed, chat)
-            deltas, done = await self._collect(http, req, events)
+                streaming = True
+                return self._stream(req, events, parsed, chat, watcher)
+            deltas, done = await self._collect(req, events)
         except APIError as e:
             return e.response()
+        finally:
+            if req is not None and not streaming:
+                watcher.cancel()
+                self._end(req)
         text = "".join(d.text for d in deltas)
         choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
         if chat:
@@ -312,6 +470,24 @@ class API:
         return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": done.usage}
+
+    # -- shutting down ------------------------------------------------------------------------------------------------
+
+    def start_draining(self) -> None:
+        """At shutdown: admit nothing more, end the waiting requests and half-sent bodies (503), and give the running
+        requests `shutdown_timeout` seconds before they end too."""
+        if self.draining.is_set():
+            return
+        self.draining.set()
+        self.scheduler.drain()
+        asyncio.get_running_loop().call_later(self.shutdown_timeout, self._end_running)
+
+    def _end_running(self) -> None:
+        message = (f"the server shut down before this request finished (it gives running requests "
+                   f"{self.shutdown_timeout:g} s: kivi-jax serve --shutdown-timeout)")
+        for req, events in list(self.running.values()):
+            self.scheduler.cancel(req)
+            events.put_nowait(Event("error", message=message, status=503))
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -349,11 +525,17 @@ class API:
         return "\n".join(lines) + "\n"
 
 
-def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the scheduler thread."""
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
+          "GET /health", "GET /metrics")
+
+
+def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the scheduler thread. Serve it with `make_uvicorn` (or
+    `ServerThread`), whose shutdown drains it first."""
     import contextlib
 
-    api = API(scheduler, model_name)
+    api = API(scheduler, model_name, max_body_bytes, shutdown_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -361,10 +543,28 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
         try:
             yield
         finally:
-            scheduler.stop()
+            scheduler.stop(timeout=5.0)
 
     app = FastAPI(title="kivi_jax", lifespan=lifespan)
     app.state.api = api
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException):
+        where = f"{request.method} {request.url.path[:200]}"
+        if exc.status_code == 404:
+            message = f"there is no route {where}; this server has {', '.join(ROUTES)}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path[:200]}; use {allowed or 'another method'}"
+        else:
+            message = f"{where}: {exc.detail}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: HTTPRequest, exc: Exception):  # a bug: logged by uvicorn, an error object here
+        return APIError(500, f"internal error ({type(exc).__name__}); the server logged it", type_="server_error",
+                        code="internal_error").response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
@@ -381,7 +581,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str):
         if model_id != model_name:
-            return APIError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+            return APIError(404, f"the model {_show(model_id)} does not exist; this server serves {model_name!r}",
                             param="model", code="model_not_found").response()
         return api.models()["data"][0]
 
@@ -396,6 +596,23 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     return app
 
 
+def make_uvicorn(app, host: str, port: int, log_level: str = "info"):
+    """A uvicorn server for `app` whose shutdown (SIGTERM, SIGINT, `should_exit`) first drains it
+    (`API.start_draining`); past the running requests' `shutdown_timeout`, uvicorn's own graceful timeout (5 s more)
+    cancels whatever is left."""
+    import uvicorn
+
+    api: API = app.state.api
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            api.start_draining()
+            await super().shutdown(sockets)
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=api.shutdown_timeout + 5))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -403,13 +620,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """uvicorn serving `app` in a background thread (tests, the in-process benchmark)."""
+    """uvicorn serving `app` in a background thread (tests, the in-process benchmark); `stop` shuts it down as
+    SIGTERM does the CLI's."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning"))
+        self.server = make_uvicorn(app, self.host, self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, name="kivi-jax-http", daemon=True)
 
     @property
@@ -425,9 +641,9 @@ class ServerThread:
             time.sleep(0.02)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> None:
         self.server.should_exit = True
-        self.thread.join(30)
+        self.thread.join(timeout)
 
     def __enter__(self):
         return self.start()

@@ -111,8 +111,12 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
     rows = []
     import httpx
 
-    with httpx.Client(timeout=3600) as http:
-        first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+    try:
+        with httpx.Client(timeout=3600) as http:
+            first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach a server at {url} ({type(e).__name__}: {e}); start one with kivi-jax serve "
+                           "or leave out --url") from None
     if first["status"] != 200:
         raise RuntimeError(f"the server at {url} answered a test request with HTTP {first['status']}")
     for clients in args.clients:
@@ -186,7 +190,9 @@ def cmd_bench_serve(args) -> int:
     from kivi_jax import bench
     from kivi_jax.bench_cli import spec_list
     from kivi_jax.serve.cli import server_from_args
+    from kivi_jax.serve.server import check_serve_extra
 
+    check_serve_extra(("httpx",) if args.url else ("fastapi", "uvicorn", "httpx"))
     if args.requests_per_client < 1 or args.max_tokens < 1 or max(args.clients) > 256:
         raise ValueError("--requests-per-client and --max-tokens must be at least 1, and at most 256 clients")
     model_name = args.served_model_name or args.model

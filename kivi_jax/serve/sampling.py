@@ -46,7 +46,8 @@ def _cut(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax
     order = jnp.where(order < kth, -jnp.inf, order)  # = the masked logits, sorted
     probs = jax.nn.softmax(order, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-    cutoff = jnp.min(jnp.where(before < top_p[:, None], order, jnp.inf), axis=-1, keepdims=True)
+    kept = (before < top_p[:, None]) | (before == 0)  # the most likely token always (top_p may round to 0)
+    cutoff = jnp.min(jnp.where(kept, order, jnp.inf), axis=-1, keepdims=True)
     cutoff = jnp.where(top_p[:, None] < 1, cutoff, -jnp.inf)
     return jnp.where(x < cutoff, -jnp.inf, x)
 

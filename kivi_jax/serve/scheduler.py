@@ -3,15 +3,17 @@ and incremental text. No HTTP here: a request carries an `emit` callback that re
 
 The thread loops: drop cancelled requests (freeing their slots), admit waiting requests into free slots (prefill and
 insert), then decode every live slot once. Text is decoded from all of a request's tokens each step and only the part
-that can no longer change is emitted (not a half multi-byte character, not the start of a stop string).
+that can no longer change is emitted (not a half multi-byte character, not the start of a stop string). `cancel` takes
+a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and ends the waiting ones,
+while the live ones decode on.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
-import queue
 import threading
 import time
 import traceback
@@ -30,6 +32,13 @@ class QueueFull(RuntimeError):
     """The request queue is at its bound."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server is shutting down: it admits no new request."""
+
+
+SHUTTING_DOWN = "the server is shutting down; retry on another server or after it restarts"
+
+
 @dataclasses.dataclass
 class Event:
     """What a request's `emit` receives: `delta` (new text and token ids), then one `done` (or `error`)."""
@@ -40,6 +49,7 @@ class Event:
     finish_reason: str | None = None
     usage: dict | None = None
     message: str = ""
+    status: int = 500  # of an error: 500 the engine failed, 503 the server is shutting down
 
 
 @dataclasses.dataclass
@@ -91,11 +101,18 @@ class Scheduler:
             raise ValueError(f"max_queue={max_queue} must be at least 1")
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
         self.hold_prefixes = hold_prefixes
-        self.tokenizer_lock = threading.Lock()  # a fast tokenizer must not encode and decode at once
-        self.queue: queue.Queue[Request] = queue.Queue(max_queue)
+        # A fast tokenizer must not encode and decode at once: the loop decodes with `tokenizer`, the HTTP side
+        # encodes with its own copy, so a long prompt being tokenized never holds up the decode steps.
+        self.tokenizer_lock = threading.Lock()
+        self.encoder = copy.deepcopy(tokenizer)
+        self.encoder_lock = threading.Lock()
+        self.waiting: collections.deque[Request] = collections.deque()  # at most max_queue, oldest first
+        self._waiting_changed = threading.Condition()  # guards `waiting` and `draining`
+        self.draining = False
         self.active: dict[int, Request] = {}
         # every key exists from the start, so the HTTP thread can read while the loop counts (no dict resizes)
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
+        self._counters_lock = threading.Lock()  # both threads count (cancellations, rejections)
         self._recent = collections.deque()  # (time, tokens) of the last TOKENS_PER_S_WINDOW seconds
         self._recent_lock = threading.Lock()  # the HTTP thread reads it while the loop appends
         self._stop, self._run = threading.Event(), threading.Event()
@@ -107,16 +124,48 @@ class Scheduler:
     # -- the outside --------------------------------------------------------------------------------------------------
 
     def submit(self, req: Request) -> Request:
-        """Queues `req`; ValueError if it cannot fit a slot, QueueFull (at once) past the queue bound."""
+        """Queues `req`; ValueError if it cannot fit a slot, QueueFull (at once) past the queue bound, ShuttingDown
+        once `drain` was called."""
         self.engine.check_fits(len(req.prompt), req.max_tokens)
-        try:
-            self.queue.put_nowait(req)
-        except queue.Full:
-            self.counters["requests_rejected"] += 1
-            raise QueueFull(f"the request queue is full ({self.max_queue} waiting, {self.engine.num_slots} slots "
-                            "busy); retry later") from None
-        self.counters["requests_queued"] += 1
+        with self._waiting_changed:
+            if self.draining:
+                raise ShuttingDown(SHUTTING_DOWN)
+            if len(self.waiting) >= self.max_queue:
+                self.count("requests_rejected")
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting, {self.engine.num_slots} slots "
+                                "busy); retry later")
+            self.waiting.append(req)
+            self._waiting_changed.notify()
+        self.count("requests_queued")
         return req
+
+    def cancel(self, req: Request) -> None:
+        """Cancels `req`: a waiting one leaves the queue now, a live one frees its slot before the next decode step;
+        a finished one is left as it is."""
+        req.cancel()
+        with self._waiting_changed:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                return  # live (the loop frees its slot), finished, or already gone
+        self.count("requests_cancelled")
+
+    def drain(self) -> None:
+        """From now on `submit` raises ShuttingDown; every waiting request ends with a 503 error. Live requests go
+        on decoding (the server gives them its shutdown timeout)."""
+        with self._waiting_changed:
+            self.draining = True
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for req in waiting:
+            self._fail(req, SHUTTING_DOWN, status=503)
+
+    def queue_length(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self.waiting)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[name] += n
 
     def start(self) -> "Scheduler":
         if self._thread is None:
@@ -154,16 +203,16 @@ class Scheduler:
             return sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW
 
     def metrics(self) -> dict:
-        return {**self.engine.metrics(), "queue_length": self.queue.qsize(), "max_queue": self.max_queue,
+        return {**self.engine.metrics(), "queue_length": self.queue_length(), "max_queue": self.max_queue,
                 "tokens_per_s": self.tokens_per_s(), **{k: v for k, v in self.counters.items()}}
 
     def encode(self, *args, **kwargs):
-        with self.tokenizer_lock:
-            return self.tokenizer(*args, **kwargs)
+        with self.encoder_lock:
+            return self.encoder(*args, **kwargs)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        with self.tokenizer_lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with self.encoder_lock:
+            return self.encoder.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     # -- the thread ---------------------------------------------------------------------------------------------------
 
@@ -188,8 +237,8 @@ class Scheduler:
         for slot, req in list(self.active.items()):
             if req.cancelled.is_set():
                 del self.active[slot]
+                self.count("requests_cancelled")  # before the slot shows free
                 self.engine.free(slot)
-                self.counters["requests_cancelled"] += 1
         self._admit(block=not self.active)
         if not self.active:
             return
@@ -198,29 +247,34 @@ class Scheduler:
         for slot, token in out.items():
             self._on_token(self.active[slot], slot, token)
 
+    def _next_waiting(self, block: bool) -> Request | None:
+        with self._waiting_changed:
+            if block and not self.waiting:
+                self._waiting_changed.wait(0.05)
+            return self.waiting.popleft() if self.waiting else None
+
     def _admit(self, block: bool) -> None:
         while self.engine.has_free_slot():
-            try:
-                req = self.queue.get(timeout=0.05) if block else self.queue.get_nowait()
-            except queue.Empty:
+            req = self._next_waiting(block)
+            if req is None:
                 return
             block = False
-            if req.cancelled.is_set():
-                self.counters["requests_cancelled"] += 1
+            if req.cancelled.is_set():  # cancelled by its flag alone (`Request.cancel`), not through `cancel`
+                self.count("requests_cancelled")
                 continue
             try:
                 slot, token = self.engine.admit(req.prompt, req.sampling)
-            except ValueError as e:  # checked before queueing; a direct caller can still get here
-                self._fail(req, str(e))
+            except (ValueError, OverflowError) as e:  # this request's own values; checked before queueing, but a
+                self._fail(req, str(e))               # direct caller can still get here
                 continue
             self.active[slot] = req
             req.slot = slot
             self._count_tokens(1)
             self._on_token(req, slot, token)
 
-    def _fail(self, req: Request, message: str) -> None:
-        self.counters["requests_failed"] += 1
-        req.emit(Event("error", message=message))
+    def _fail(self, req: Request, message: str, status: int = 500) -> None:
+        self.count("requests_failed")
+        req.emit(Event("error", message=message, status=status))
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -254,9 +308,9 @@ class Scheduler:
             req.finish_reason = finish
             del self.active[slot]
             self.engine.finish(slot, hold=self.hold_prefixes)
-            self.counters["requests_finished"] += 1
-            self.counters["prompt_tokens"] += len(req.prompt)
-            self.counters["completion_tokens"] += len(req.generated)
+            self.count("requests_finished")
+            self.count("prompt_tokens", len(req.prompt))
+            self.count("completion_tokens", len(req.generated))
             req.emit(Event("done", finish_reason=finish, usage=req.usage))
 
 

@@ -11,6 +11,23 @@ from kivi_jax.serve.scheduler import Scheduler
 
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SLOTS = 8
+DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # as text-generation-inference's payload limit: far past any prompt a slot holds
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after SIGTERM
+
+
+SERVE_EXTRA = 'pip install "kivi-jax[serve]" (from a checkout: pip install ".[serve]")'
+
+
+def check_serve_extra(modules=("fastapi", "uvicorn")) -> None:
+    """RuntimeError naming the extra to install unless `modules` (of the serve extra) import."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise RuntimeError(f"this needs the serve extra (FastAPI, uvicorn, httpx), and {name} is missing ({e}); "
+                               f"install it: {SERVE_EXTRA}") from None
 
 
 def default_max_length(spec, cfg) -> int:
@@ -52,14 +69,17 @@ class Server:
 def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget: int | None = None,
                  max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = 64,
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
-                 decode_group: int | None = None, mesh=None) -> Server:
+                 decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
+                 shutdown_timeout: float | None = None) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
-    slots a multiple of its data axis)."""
-    try:
-        from kivi_jax.serve.http import create_app
-    except ImportError as e:
-        raise RuntimeError(f"serving needs FastAPI and uvicorn ({e}): pip install 'kivi-jax[serve]'") from e
+    slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
+    running requests get at shutdown): see kivi_jax.serve.http; None: the defaults above."""
+    check_serve_extra()
+    from kivi_jax.serve import http
+
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes
+    shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout
 
     mesh = sharding.resolve_mesh(mesh)
     params, tokenizer = model.params, model.tokenizer
@@ -88,4 +108,5 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh)
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
-    return Server(engine, scheduler, create_app(scheduler, model_name), model_name, capacity)
+    app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
+    return Server(engine, scheduler, app, model_name, capacity)
