@@ -23,15 +23,17 @@ def query_rows(n_rep: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (n_rep - 1).bit_length())
 
 
-def grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
-    """`[batch, 1, q_heads, head_dim]` -> float32 `[batch, kv_heads, rows, head_dim]`, zero rows past n_rep.
+def grouped_queries(q: jax.Array, kv_heads: int, rows: int | None = None) -> jax.Array:
+    """`[batch, 1, q_heads, head_dim]` -> float32 `[batch, kv_heads, rows, head_dim]`, zero rows past n_rep (`rows`
+    None: `query_rows(n_rep)`, the Triton kernels' tile).
 
     Query head `h * n_rep + r` lands in row r of kv head h. Not scaled: kernels apply 1/sqrt(head_dim) themselves.
     """
     batch, _, q_heads, head_dim = q.shape
     n_rep = q_heads // kv_heads
+    rows = query_rows(n_rep) if rows is None else rows
     qg = q[:, 0].astype(jnp.float32).reshape(batch, kv_heads, n_rep, head_dim)
-    return jnp.pad(qg, ((0, 0), (0, 0), (0, query_rows(n_rep) - n_rep), (0, 0)))
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n_rep), (0, 0)))
 
 
 def num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
