@@ -10,12 +10,15 @@ Nothing here imports kivi_jax or models: the kernels take raw arrays and static 
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
 MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows: query rows are zero-padded up to this
 TARGET_PROGRAMS = 512  # enough (sequence, kv head, split) programs to fill a GPU with a few waves
 MAX_SPLITS = 64
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"  # jax 0.11's warning when it lowers a Triton kernel
 
 
 def query_rows(n_rep: int) -> int:
@@ -121,3 +124,11 @@ def interpret_default(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "gpu"
     return interpret
+
+
+def silence_triton_deprecation() -> None:
+    """jax 0.11 deprecates Pallas' Triton backend and warns each time it lowers a Triton kernel, from inside the
+    caller's jit. Choosing Triton is this library's doing (GPUs older than Hopper; Hopper and newer take Mosaic GPU),
+    not the user's, so the Triton kernel modules silence exactly that message when they load (a filter at the call
+    could not: the lowering runs later, in the user's jit)."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)

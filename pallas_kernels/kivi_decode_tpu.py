@@ -25,8 +25,6 @@ operand would map the logical block to a physical page there, nothing else chang
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -59,31 +57,6 @@ def step_tokens(max_tokens: int, residual: int, tokens_per_step: int = TOKENS_PE
     return residual * fd.largest_pow2_block(max_tokens // residual, max(tokens_per_step // residual, 1))
 
 
-class Piece(NamedTuple):
-    """Channels `[first, first + width)` whose codes lie in one slab of every packed plane:
-    `codes = Σ_planes ((row[byte : byte + width] >> shift) & mask) << weight`."""
-
-    first: int
-    width: int
-    planes: tuple[tuple[int, int, int, int], ...]  # (byte, shift, mask, weight) a plane
-
-
-def pieces(head_dim: int, bits: int, max_width: int | None = None) -> list[Piece]:
-    """A row's channels in pieces, in channel order: each as wide as the narrowest slab of the planes
-    (`kivi_decode.PLANES`; planar packing: slab s of a plane of b bits holds channels `[s*w, (s+1)*w)`,
-    `w = D*b/8`, in bits `[s*b, (s+1)*b)` of the plane's bytes), and at most `max_width`."""
-    widths = [head_dim * b // 8 for b in kd.PLANES[bits]]
-    width = min(widths + ([max_width] if max_width else []))
-    out = []
-    for first in range(0, head_dim, width):
-        planes, byte0, weight = [], 0, 0
-        for b, w in zip(kd.PLANES[bits], widths):
-            planes.append((byte0 + first % w, b * (first // w), 2**b - 1, weight))
-            byte0, weight = byte0 + w, weight + b
-        out.append(Piece(first, width, tuple(planes)))
-    return out
-
-
 def interpret_params(interpret):
     """`None`: the real kernel on a TPU backend, TPU interpret mode elsewhere; `True`: interpret mode with default
     parameters; an `InterpretParams` as given (e.g. `detect_races=True`)."""
@@ -114,7 +87,7 @@ def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm
     rows, head_dim = q_ref.shape
     g, half = group_size, head_dim // 2
     sm_scale = head_dim**-0.5
-    k_pieces, v_pieces = pieces(head_dim, k_bits), pieces(head_dim, v_bits, g)
+    k_pieces, v_pieces = kd.pieces(head_dim, k_bits), kd.pieces(head_dim, v_bits, g)
     q_at = lambda first, width: q_ref[:, pl.ds(first, width)]  # [rows, width] float32
 
     def dot_nt(x, y):  # [m, k] x [n, k] -> [m, n], exact float32

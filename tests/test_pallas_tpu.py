@@ -57,9 +57,10 @@ def random_cache(kivi: KIVIConfig, batch, kv_heads, head_dim, max_tokens, length
                          length=jnp.asarray(lengths, jnp.int32))
 
 
-def kernel_twin_xla(cache, q, k_new, v_new, layer, window, num_splits=None, tokens_per_step=None):
+def kernel_twin_xla(cache, q, k_new, v_new, layer, window, num_splits=None, tokens_per_step=None, twin=True):
     """(kernel in TPU interpret mode with race detection, jnp twin, XLA path, XLA path without the window) as
-    float32 numpy arrays, one compilation; `layer=None` passes arrays holding layer 0 only."""
+    float32 numpy arrays, one compilation (the twin and the windowless path only when asked for: each compiles);
+    `layer=None` passes arrays holding layer 0 only."""
     from test_pallas_kivi import one_layer
 
     kv = cache.config
@@ -76,13 +77,13 @@ def kernel_twin_xla(cache, q, k_new, v_new, layer, window, num_splits=None, toke
         kernel = kivi_decode_tpu.decode(*args, **kw, num_splits=num_splits,
                                         tokens_per_step=tokens_per_step or kivi_decode_tpu.TOKENS_PER_STEP,
                                         interpret=pltpu.InterpretParams(detect_races=True))
-        twin = kivi_decode.reference(*args, **kw)
         pick = (lambda x: x) if layer is None else (lambda x: x[layer])
         rings = pick(cache.k_ring), pick(cache.v_ring)
         sinks = None if cache.k_sink is None else (pick(cache.k_sink), pick(cache.v_sink))
-        xla, unwindowed = (attention.decode_kivi_xla(q, cache.k, cache.v, layer, *rings, cache.length, k_new, v_new,
-                                                     w, sinks=sinks, inv_freq=freqs) for w in (window, None))
-        return kernel, twin, xla, unwindowed
+        xla = lambda w: attention.decode_kivi_xla(q, cache.k, cache.v, layer, *rings, cache.length, k_new, v_new, w,
+                                                  sinks=sinks, inv_freq=freqs)
+        return (kernel, kivi_decode.reference(*args, **kw) if twin else kernel, xla(window),
+                xla(None) if window is not None else kernel)
 
     args = (cache, q, k_new, v_new, None if layer is None else jnp.int32(layer))
     return [np.asarray(x, np.float32) for x in compiled(run, *args)(*args)]
@@ -119,7 +120,8 @@ def test_interpret_mode_equals_the_xla_path_with_no_race(case):
     cache = random_cache(kivi, batch, kv_heads, head_dim, max_tokens, lengths(kivi.residual_length, max_tokens),
                          dtype, seed=400 + i)
     q, k_new, v_new = random_step(batch, kv_heads * n_rep, kv_heads, head_dim, dtype, seed=500 + i)
-    kernel, twin, xla, unwindowed = kernel_twin_xla(cache, q, k_new, v_new, layer, window, splits, per_step)
+    twin_too = i in (0, len(CASES) - 2)  # the twin equals the XLA path (tests/test_pallas_kivi.py): twice is enough
+    kernel, twin, xla, unwindowed = kernel_twin_xla(cache, q, k_new, v_new, layer, window, splits, per_step, twin_too)
     assert not races_found()
     # float32 throughout the kernel, whatever the compute dtype: 1e-5 before the output's rounding to it
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -148,10 +150,10 @@ def test_the_race_detector_is_live():
 
 
 def test_pieces_cover_every_channel_once_in_one_slab_of_every_plane():
-    for bits in kivi_decode_tpu.kd.KERNEL_BITS:
+    for bits in kivi_decode.KERNEL_BITS:
         for head_dim in (64, 128):
             for cap in (None, 32):
-                ps = kivi_decode_tpu.pieces(head_dim, bits, cap)
+                ps = kivi_decode.pieces(head_dim, bits, cap)
                 assert [c for p in ps for c in range(p.first, p.first + p.width)] == list(range(head_dim))
                 for p in ps:  # the piece's bytes stay inside its plane and its bits inside one slab
                     for byte, shift, mask, weight in p.planes:
