@@ -49,7 +49,8 @@ def unsupported(head_dim: int, k_bits: int, v_bits: int, group_size: int, residu
     if reason is None and (k_bits not in KERNEL_BITS or v_bits not in KERNEL_BITS):
         reason = f"the Mosaic GPU kernel handles {KERNEL_BITS}-bit codes, not k_bits={k_bits}, v_bits={v_bits}"
     if reason is None and residual % TILE:
-        reason = f"the Mosaic GPU kernel reads the ring {TILE} slots at a time: residual_length={residual} is not a multiple"
+        reason = (f"the Mosaic GPU kernel reads the ring {TILE} slots at a time: residual_length={residual} is not a "
+                  "multiple")
     return reason
 
 
@@ -70,7 +71,7 @@ def _kernel(layer_g, length_g, q_g, kc_g, ks_g, km_g, vc_g, vs_g, vm_g, kr_g, vr
     per_token = lambda x: plgpu.layout_cast(x, token_layout)
     per_channel = lambda x: plgpu.layout_cast(x, channel_layout)
     # the query rows, in pieces of every width the kernel dots with (columns of a tile)
-    widths = {pc.width for pc in k_pieces} | ({half} if rope else set()) | {head_dim}
+    widths = {pc.width for pc in k_pieces} | {half if rope else head_dim}  # the ring's: halves or whole rows
     q = {(r, c, w): load(q_g.at[b, h, r, pl.ds(c, w)], layout=channel_layout)
          for r in range(n_rep) for w in widths for c in range(0, head_dim, w)}
 
@@ -117,9 +118,9 @@ def _kernel(layer_g, length_g, q_g, kc_g, ks_g, km_g, vc_g, vs_g, vm_g, kr_g, vr
 
     def quantized_keys(codes_ref, scales_t0, t0):
         """Dequantized key pieces `[TILE, w]` of the code rows from t0 (their groups' scales from token scales_t0)."""
-        return [tiled(unpack(lambda byte, w: tile_of(codes_ref, t0, byte, w), pc)
-                      * group_rows(ks_g, scales_t0, pc.first, pc.width) + group_rows(km_g, scales_t0, pc.first, pc.width))
-                for pc in k_pieces]
+        codes_at = lambda byte, w: tile_of(codes_ref, t0, byte, w)
+        return [tiled(unpack(codes_at, pc) * group_rows(ks_g, scales_t0, pc.first, pc.width)
+                      + group_rows(km_g, scales_t0, pc.first, pc.width)) for pc in k_pieces]
 
     def update(state, scores, values):
         """One online-softmax step a query row: `scores` `[TILE]` each (-inf where masked), `values(p)` -> the

@@ -141,9 +141,10 @@ def test_the_race_detector_is_live():
         copy.wait()
 
     x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     pl.pallas_call(racy, in_specs=[pl.BlockSpec(memory_space=pl.ANY)], out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                    scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
-                   interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"))(x).block_until_ready()
+                   interpret=params)(x).block_until_ready()
     assert races_found()
 
 
