@@ -8,14 +8,15 @@ Queries are grouped by kv head (GQA: query head `h * n_rep + r` reads kv head `h
 every segment (quantized blocks, the ring, the new tokens) updates one online softmax per row, a block of tokens at
 a time: memory is bounded by the chunk and block sizes, and no dequantized cache is ever built.
 
-Dispatch: a decode step (`T = 1`) may take a kernel (`decode_kivi`, `decode_full`: Pallas on GPU); a chunk of more
-than one token takes the XLA path on every backend.
+Dispatch: a decode step (`T = 1`) may take a kernel (`decode_kivi`, `decode_full`: Pallas on GPU, and for the KIVI
+cache on TPU); a chunk of more than one token takes the XLA path on every backend.
 Shapes: q `[batch, T, q_heads, head_dim]`; cache tensors stacked `[layers, batch, kv_heads, tokens, ...]`, read one
 block of one layer at a time (`layer=None` takes tensors that hold one layer already).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Callable, NamedTuple
 
@@ -411,11 +412,48 @@ def decode_kivi_xla(
 # Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) takes the XLA path on every backend.
 
 
-def use_pallas(impl: str) -> bool:
-    """`auto` takes the Pallas kernel on a GPU backend and the XLA path elsewhere."""
+def use_pallas(impl: str, tpu_kernel: bool = False) -> bool:
+    """`auto` takes a Pallas kernel on a GPU backend, and on a TPU backend where one exists (`tpu_kernel`: the KIVI
+    decode kernel), the XLA path elsewhere; `pallas` forces one."""
     if impl == "auto":
-        return jax.default_backend() == "gpu"
+        backend = jax.default_backend()
+        return backend == "gpu" or (backend == "tpu" and tpu_kernel)
     return impl == "pallas"
+
+
+def pallas_target() -> str:
+    """The Pallas backend the kernels are written for here: `"tpu"` (Mosaic TPU) on a TPU backend, `"mosaic_gpu"` on a
+    GPU of compute capability 9.0 or newer (Hopper, Blackwell; `KIVI_JAX_MOSAIC_GPU=0` keeps Triton there),
+    `"triton"` on older GPUs and on any other backend (the CPU: interpret mode; tests monkeypatch this to run the TPU
+    kernel there)."""
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend == "gpu":
+        return "mosaic_gpu" if mosaic_gpu_capable(getattr(jax.devices()[0], "compute_capability", "0")) else "triton"
+    return "triton"
+
+
+def mosaic_gpu_capable(compute_capability: str) -> bool:
+    """Whether a GPU of this compute capability (`"9.0"`) takes the Mosaic GPU kernels: Hopper (sm90) and newer,
+    unless `KIVI_JAX_MOSAIC_GPU=0`."""
+    return float(compute_capability) >= 9.0 and os.environ.get("KIVI_JAX_MOSAIC_GPU", "1") != "0"
+
+
+def kivi_kernels(target: str) -> list:
+    """The KIVI decode kernel modules to try for a Pallas target, in order (each has `unsupported` and `decode`):
+    Mosaic GPU before Triton (which jax deprecates but still ships) on Hopper and newer."""
+    from kivi_jax.pallas_kernels import kivi_decode
+
+    if target == "tpu":
+        from kivi_jax.pallas_kernels import kivi_decode_tpu
+
+        return [kivi_decode_tpu]
+    if target == "mosaic_gpu":
+        from kivi_jax.pallas_kernels import kivi_decode_mosaic
+
+        return [kivi_decode_mosaic, kivi_decode]
+    return [kivi_decode]
 
 
 def use_native(impl: str, full: bool = False) -> bool:
@@ -473,6 +511,8 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
         from kivi_jax.pallas_kernels import full_decode
 
         reason = full_decode.unsupported(q.shape[-1], k_cache.shape[-2])
+        if pallas_target() == "tpu":
+            reason = "the full-precision cache has no TPU kernel"
         if reason is None:
             return full_decode.decode(q, k_cache, v_cache, layer, length, k_new, v_new, window)
         fall_back(impl, reason)
@@ -494,25 +534,25 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     """Decode attention over one layer of a KIVI cache with the chosen implementation.
 
     Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
-    `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel reads them and the stores in place and masks
-    the sliding window. Configurations it does not serve (`kivi_decode.unsupported`: the axis ablations, 8-bit codes,
-    other group sizes or head dims) run the XLA path; both kernels read sinks and pre-RoPE keys.
+    `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel of the backend (`pallas_target`: TPU, Mosaic
+    GPU or Triton) reads them and the stores in place and masks the sliding window. Configurations it does not serve
+    (`unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) run the XLA path; every kernel
+    reads sinks and pre-RoPE keys.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
-    if use_pallas(impl):
-        from kivi_jax.pallas_kernels import kivi_decode
-
-        reason = kivi_decode.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
-                                         k_ring.shape[-2], k_store.axis, v_store.axis)
-        if reason is None:
-            k_sink, v_sink = (None, None) if sinks is None else sinks
-            return kivi_decode.decode(
-                q, k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale, v_store.mn, k_ring, v_ring,
-                layer, length, k_new, v_new, k_bits=k_store.bits, v_bits=v_store.bits,
-                group_size=k_store.group_size, window=window, k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq,
-            )
+    if use_pallas(impl, tpu_kernel=True):
+        for kernel in kivi_kernels(pallas_target()):
+            reason = kernel.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
+                                        k_ring.shape[-2], k_store.axis, v_store.axis)
+            if reason is None:
+                k_sink, v_sink = (None, None) if sinks is None else sinks
+                return kernel.decode(
+                    q, k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale, v_store.mn, k_ring,
+                    v_ring, layer, length, k_new, v_new, k_bits=k_store.bits, v_bits=v_store.bits,
+                    group_size=k_store.group_size, window=window, k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq,
+                )
         fall_back(impl, reason)
     if use_native(impl):
         from kivi_jax import native

@@ -10,12 +10,15 @@ Nothing here imports kivi_jax or models: the kernels take raw arrays and static 
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
 MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows: query rows are zero-padded up to this
 TARGET_PROGRAMS = 512  # enough (sequence, kv head, split) programs to fill a GPU with a few waves
 MAX_SPLITS = 64
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"  # jax 0.11's warning when it lowers a Triton kernel
 
 
 def query_rows(n_rep: int) -> int:
@@ -23,15 +26,17 @@ def query_rows(n_rep: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (n_rep - 1).bit_length())
 
 
-def grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
-    """`[batch, 1, q_heads, head_dim]` -> float32 `[batch, kv_heads, rows, head_dim]`, zero rows past n_rep.
+def grouped_queries(q: jax.Array, kv_heads: int, rows: int | None = None) -> jax.Array:
+    """`[batch, 1, q_heads, head_dim]` -> float32 `[batch, kv_heads, rows, head_dim]`, zero rows past n_rep (`rows`
+    None: `query_rows(n_rep)`, the Triton kernels' tile).
 
     Query head `h * n_rep + r` lands in row r of kv head h. Not scaled: kernels apply 1/sqrt(head_dim) themselves.
     """
     batch, _, q_heads, head_dim = q.shape
     n_rep = q_heads // kv_heads
+    rows = query_rows(n_rep) if rows is None else rows
     qg = q[:, 0].astype(jnp.float32).reshape(batch, kv_heads, n_rep, head_dim)
-    return jnp.pad(qg, ((0, 0), (0, 0), (0, query_rows(n_rep) - n_rep), (0, 0)))
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n_rep), (0, 0)))
 
 
 def num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
@@ -119,3 +124,11 @@ def interpret_default(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "gpu"
     return interpret
+
+
+def silence_triton_deprecation() -> None:
+    """jax 0.11 deprecates Pallas' Triton backend and warns each time it lowers a Triton kernel, from inside the
+    caller's jit. Choosing Triton is this library's doing (GPUs older than Hopper; Hopper and newer take Mosaic GPU),
+    not the user's, so the Triton kernel modules silence exactly that message when they load (a filter at the call
+    could not: the lowering runs later, in the user's jit)."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)

@@ -20,6 +20,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import flash_decoding as fd
 
+fd.silence_triton_deprecation()  # Triton is our choice here, not the user's
+
 BLOCK_TOKENS = 64  # tokens a program reads per loop step (at most; the largest power of two dividing the cache)
 MIN_BLOCK = 16  # Triton's dot needs at least 16 columns
 NUM_WARPS = 4

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import flash_decoding as fd
+
+fd.silence_triton_deprecation()  # Triton is our choice here, not the user's
 
 KERNEL_BITS = (2, 3, 4)
 PLANES = {2: (2,), 3: (2, 1), 4: (4,)}  # bits of each packed plane, low bits first: kivi_jax/quant.py's PLANES
@@ -80,6 +83,31 @@ def value_pieces(head_dim: int, bits: int, group_size: int) -> list[tuple[int, i
     width = slab_width(head_dim, bits)
     piece = min(width, group_size)
     return [(c, c // width, c % width, piece) for c in range(0, head_dim, piece)]
+
+
+class Piece(NamedTuple):
+    """Channels `[first, first + width)` whose codes lie in one slab of every packed plane:
+    `codes = Σ_planes ((row[byte : byte + width] >> shift) & mask) << weight`."""
+
+    first: int
+    width: int
+    planes: tuple[tuple[int, int, int, int], ...]  # (byte, shift, mask, weight) a plane
+
+
+def pieces(head_dim: int, bits: int, max_width: int | None = None) -> list[Piece]:
+    """A row's channels in pieces, in channel order: each as wide as the narrowest slab of the planes
+    (`PLANES`; planar packing: slab s of a plane of b bits holds channels `[s*w, (s+1)*w)`,
+    `w = D*b/8`, in bits `[s*b, (s+1)*b)` of the plane's bytes), and at most `max_width`."""
+    widths = [head_dim * b // 8 for b in PLANES[bits]]
+    width = min(widths + ([max_width] if max_width else []))
+    out = []
+    for first in range(0, head_dim, width):
+        planes, byte0, weight = [], 0, 0
+        for b, w in zip(PLANES[bits], widths):
+            planes.append((byte0 + first % w, b * (first // w), 2**b - 1, weight))
+            byte0, weight = byte0 + w, weight + b
+        out.append(Piece(first, width, tuple(planes)))
+    return out
 
 
 def split_parts(x: jax.Array, dtype) -> list[jax.Array]:

@@ -1,16 +1,20 @@
-"""GPU check of the decode kernels: correctness of the shipped configurations against the jnp twins (3-bit ones with
-the group size cycled; the kivi2+/kivi3+-like ones with pre-RoPE keys and sinks), then timing of the KIVI kernel
-(kivi2, kivi4 and the preset-like configurations) against two fp16 baselines (the full-precision Pallas kernel and
-jax.nn.dot_product_attention) with the bandwidth each achieves on the bytes it must read.
+"""GPU check of the decode kernels: correctness of the shipped configurations against the jnp twins (the Triton
+kernel: 3-bit ones with the group size cycled, the kivi2+/kivi3+-like ones with pre-RoPE keys and sinks; the Mosaic
+GPU kernel on Hopper and newer: a covering set), then timing of KIVI decode through the Triton kernel, the Mosaic
+GPU kernel and the XLA path (kivi2, kivi4, and through Triton the preset-like configurations) side by side against
+two fp16 baselines (the full-precision Pallas kernel and jax.nn.dot_product_attention), with the bandwidth each
+achieves on the bytes it must read.
 
 On a GPU machine, from the checkout (no install needed; imports only jax, numpy and pallas_kernels):
     bash scripts/gpu_check.sh [--json PATH]            # = PYTHONPATH=. python3 scripts/gpu_check.py
-`--smoke` runs tiny shapes with the kernels in interpret mode (CPU is fine): it proves the script runs.
+`--smoke` runs tiny shapes with the kernels in interpret mode (CPU is fine): it proves the script runs (the Mosaic
+GPU kernel has no interpret mode: its rows are listed as skipped). The XLA path rows need the checkout's kivi_jax to
+import (flax and the rest of its dependencies); without them they are listed as skipped.
 
 Timing: one decode step over one layer, every sequence holding `tokens - 1` tokens plus the new one; warm-up, then
 the median of `--repeats` runs of `--inner` back-to-back calls, synchronised with block_until_ready. A configuration
 whose inputs would take more than MEMORY_FRACTION of the device's memory is skipped and listed; so is anything left
-when the time budget runs out.
+when the time budget runs out (`--budget-s`, counted from the start: the whole run stays under 5 minutes).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import full_decode, kivi_decode  # the checkout's folder: this script needs only jax and numpy
+from pallas_kernels import full_decode, kivi_decode, kivi_decode_mosaic  # the checkout's folder: jax and numpy only
 
 MODELS = {  # kv heads, query heads, head_dim
     "llama2-7b": (32, 32, 128),
@@ -41,6 +45,14 @@ TIMED_KIVI = {"kivi2": (2, 2, 32, False, 0), "kivi4": (4, 4, 32, False, 0), "kiv
               "kivi3+like": (4, 3, 64, True, 4)}
 SMOKE_TIMED = ("kivi2", "kivi4")  # --smoke times these (interpret mode compiles slowly; its correctness row runs
 # a preset-like configuration)
+# How a KIVI configuration is timed: the Triton kernel, the Mosaic GPU kernel (where it serves the configuration),
+# the XLA path (kivi_jax.attention.decode_kivi_xla, where kivi_jax imports). Most telling first: the time budget may
+# cut the tail.
+IMPLS = ("triton", "mosaic", "xla")
+TIMED_IMPLS = {"kivi2": IMPLS, "kivi4": IMPLS, "kivi2+like": ("triton",), "kivi3+like": ("triton",)}
+# the Mosaic GPU kernel's covering set (its lowering takes seconds a configuration): every bits pair and (G, D)
+MOSAIC_CHECKED = [(2, 4, 32, 64, False), (4, 2, 64, 128, True), (2, 2, 128, 128, False), (4, 4, 64, 64, True),
+                  (2, 2, 32, 128, True)]
 RESIDUAL = 128
 MEMORY_FRACTION = 0.4
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600}  # HBM/GDDR, by device-kind substring
@@ -169,6 +181,21 @@ def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
 
         name = f"k{kb}v{vb}-g{g}-d{d}" + (f"-prerope-s{sinks}" if pre_rope else "")
         rows.append(compare("kivi", name, dtype, window, run))
+    mosaic_cases = [] if mosaic_unavailable(smoke) else [
+        ((kb, vb, g, d, pre_rope, 4 if pre_rope else 0), dtype, window) for kb, vb, g, d, pre_rope in MOSAIC_CHECKED
+        for dtype, window in (("bfloat16", None), ("float32", 200))]
+    for (kb, vb, g, d, pre_rope, sinks), dtype, window in mosaic_cases:
+
+        def run():
+            q, cache, (k_new, v_new), extra = kivi_inputs(kb * 1000 + vb * 100 + g + d, batch, kv_heads, q_heads, d,
+                                                          tokens, kb, vb, g, jnp.dtype(dtype), pre_rope, sinks)
+            kw = dict(k_bits=kb, v_bits=vb, group_size=g, window=window)
+            args = (q, *cache, None, length, k_new, v_new)
+            return (compiled(lambda a, e: kivi_decode_mosaic.decode(*a, **kw, **e), (args, extra), smoke)(args, extra),
+                    compiled(lambda a, e: kivi_decode.reference(*a, **kw, **e), (args, extra), smoke)(args, extra))
+
+        name = f"k{kb}v{vb}-g{g}-d{d}" + (f"-prerope-s{sinks}" if pre_rope else "")
+        rows.append(compare("mosaic", name, dtype, window, run))
     full_cases = ((64, "bfloat16", None), (128, "bfloat16", 300), (128, "float32", None))
     for d, dtype, window in full_cases[1:2] if smoke else full_cases:
 
@@ -189,6 +216,28 @@ def check_correctness(smoke: bool, interpret: bool) -> list[dict]:
 
     rows.append(compare("sdpa", "d128", "bfloat16", None, run_sdpa))
     return rows
+
+
+def mosaic_unavailable(smoke: bool) -> str | None:
+    """Why the Mosaic GPU kernel cannot run here (it has no interpret mode; it needs Hopper or newer and jax 0.11),
+    or None."""
+    if smoke or jax.default_backend() != "gpu":
+        return "the Mosaic GPU kernel needs a GPU (no interpret mode)"
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    if float(capability) < 9.0:
+        return f"the Mosaic GPU kernel needs compute capability 9.0 or newer, not {capability}"
+    return kivi_decode_mosaic.unsupported(64, 2, 2, 32, RESIDUAL)
+
+
+def xla_path():
+    """(kivi_jax's `decode_kivi_xla`, its `QuantStore`) from the checkout, or (None, why not): kivi_jax needs flax and
+    the rest of its dependencies, which this script otherwise does not."""
+    try:
+        from kivi_jax.attention import decode_kivi_xla
+        from kivi_jax.cache import QuantStore
+    except Exception as e:  # a missing dependency: the XLA rows are skipped, the rest runs
+        return None, error_text(e)
+    return (decode_kivi_xla, QuantStore), None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -235,22 +284,36 @@ def time_method(kind, seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, a
         q, k, v, _ = full_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, dtype, "bthd")
         fn, call = full_decode.sdpa_decode, (q, k, v, length + 1)
     else:
-        kb, vb, g, pre_rope, sinks = TIMED_KIVI[kind]
+        name, impl = kind
+        kb, vb, g, pre_rope, sinks = TIMED_KIVI[name]
         q, cache, (k_new, v_new), extra = kivi_inputs(seed, batch, kv_heads, q_heads, head_dim, tokens, kb, vb, g,
                                                       dtype, pre_rope, sinks)
-        fn = lambda q, c, l, kn, vn, e: kivi_decode.decode(q, *c, None, l, kn, vn, k_bits=kb, v_bits=vb, group_size=g,
-                                                           **e, interpret=interpret)
+        kw = dict(k_bits=kb, v_bits=vb, group_size=g)
+        if impl == "triton":
+            fn = lambda q, c, l, kn, vn, e: kivi_decode.decode(q, *c, None, l, kn, vn, **kw, **e, interpret=interpret)
+        elif impl == "mosaic":
+            fn = lambda q, c, l, kn, vn, e: kivi_decode_mosaic.decode(q, *c, None, l, kn, vn, **kw, **e)
+        else:  # the XLA path over the same arrays (kivi2/kivi4: no sinks, keys after RoPE)
+            (decode_xla, store), _ = xla_path()
+            fn = lambda q, c, l, kn, vn, e: decode_xla(
+                q, store(codes=c[0], scale=c[1], mn=c[2], bits=kb, group_size=g, axis="channel"),
+                store(codes=c[3], scale=c[4], mn=c[5], bits=vb, group_size=g, axis="token"), None, c[6], c[7], l, kn,
+                vn, None)
         call = (q, cache, length, k_new, v_new, extra)
     return median_seconds(fn, call, args.warmup, args.repeats, args.inner, args.smoke)
 
 
 def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str]]:
     models = SMOKE_MODELS if args.smoke else MODELS
-    lengths = (256,) if args.smoke else (65536, 16384, 4096)
+    lengths = (256,) if args.smoke else (32768, 4096)
     batches = (2,) if args.smoke else (8, 32, 1)
     dtype = jnp.dtype(args.dtype)
     budget = MEMORY_FRACTION * device_memory()
     rows, skipped = [], []
+    unavailable = {"mosaic": mosaic_unavailable(args.smoke), "xla": xla_path()[1]}
+    for impl, why in unavailable.items():
+        if why:
+            skipped.append(f"every {impl} row: {why}")
     for tokens in lengths:  # longest first: if the time budget runs out, the short caches are what is left
         for batch in batches:
             for model, (kv_heads, q_heads, head_dim) in models.items():
@@ -259,13 +322,14 @@ def timing(args, interpret: bool, deadline: float) -> tuple[list[dict], list[str
                 key = tokens + batch
                 base = {}
                 methods = [("pallas-fp16", "full"), ("sdpa-fp16", "sdpa")]
-                methods += [(n, n) for n in TIMED_KIVI if n in SMOKE_TIMED or not args.smoke]
+                methods += [(f"{n}-{impl}", (n, impl)) for n in TIMED_KIVI if n in SMOKE_TIMED or not args.smoke
+                            for impl in TIMED_IMPLS[n] if not unavailable.get(impl)]
                 for name, kind in methods:
                     label = f"{model} tokens={tokens} batch={batch} {name}"
                     if kind in ("full", "sdpa"):
                         need, read = full_bytes, full_bytes
                     else:
-                        kb, vb, g, _, sinks = TIMED_KIVI[kind]
+                        kb, vb, g, _, sinks = TIMED_KIVI[kind[0]]
                         need = tokens * batch * kv_heads * head_dim * (kb + vb) // 8 * 2  # codes + scales, generous
                         read = kivi_decode.bytes_read(batch, kv_heads, tokens, head_dim, kb, vb, g, RESIDUAL,
                                                       dtype.itemsize, sinks=sinks)
@@ -320,12 +384,12 @@ def print_report(report: dict) -> None:
         print(f"{r['kernel']:6} {r['config']:26} {r['dtype']:9} {fmt(r['window'], 'd'):>6} "
               f"{fmt(r['max_err'], '10.2e'):>10} {r['tol']:7.0e}  {'yes' if r['ok'] else 'NO'} {r.get('error', '')}")
     print("\ndecode attention, one layer (median ms a call; GB/s on the bytes each must read)")
-    head = (f"{'model':13} {'tokens':>6} {'batch':>5} {'method':12} {'ms':>9} {'GB':>7} {'GB/s':>7} {'%peak':>6} "
+    head = (f"{'model':13} {'tokens':>6} {'batch':>5} {'method':17} {'ms':>9} {'GB':>7} {'GB/s':>7} {'%peak':>6} "
             f"{'%stream':>7} {'x pallas':>8} {'x sdpa':>7}")
     print(head)
     for r in report["timing"]:
         peak = report["peak_gbps"]
-        print(f"{r['model']:13} {r['tokens']:>6} {r['batch']:>5} {r['method']:12} {r['ms']:9.3f} {r['gb_read']:7.3f} "
+        print(f"{r['model']:13} {r['tokens']:>6} {r['batch']:>5} {r['method']:17} {r['ms']:9.3f} {r['gb_read']:7.3f} "
               f"{r['gbps']:7.0f} {fmt(100 * r['gbps'] / peak if peak else None, '6.1f'):>6} "
               f"{100 * r['gbps'] / report['stream_gbps']:7.1f} {fmt(r.get('speedup_vs_pallas_fp16'), '8.2f'):>8} "
               f"{fmt(r.get('speedup_vs_sdpa_fp16'), '7.2f'):>7}")
@@ -343,7 +407,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--inner", type=int, default=5, help="back-to-back calls a timed repeat")
-    p.add_argument("--budget-s", type=float, default=170.0, help="stop starting timings after this many seconds")
+    p.add_argument("--budget-s", type=float, default=240.0,
+                   help="start no timing after this many seconds from the start (the run stays under 5 minutes)")
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak bandwidth (default: by name)")
     p.add_argument("--skip-correctness", action="store_true")
     args = p.parse_args(argv)

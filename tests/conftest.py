@@ -37,9 +37,11 @@ TINY_CONFIGS = {
 
 # The files that take longest, run first (largest first): pytest-xdist hands whole files to its workers in collection
 # order, so a long file collected late would run alone at the end (measured, 2 workers: test_sharding 230 s of child
-# processes, test_native and test_pallas_kivi about 275 s each, test_beyond_kivi 200 s, test_evaluate_real 90-150 s)
+# processes, test_native and test_pallas_kivi about 275 s each, test_beyond_kivi 200 s, test_evaluate_real 90-150 s,
+# test_pallas_tpu 190 s on a loaded machine)
 LONGEST_FIRST = ("test_sharding.py", "test_native.py", "test_pallas_kivi.py", "test_beyond_kivi.py",
-                 "test_evaluate_real.py", "test_native_beyond.py", "test_real_model.py", "test_kivi_cache.py")
+                 "test_pallas_tpu.py", "test_evaluate_real.py", "test_native_beyond.py", "test_real_model.py",
+                 "test_kivi_cache.py")
 
 
 def pytest_collection_modifyitems(items):
