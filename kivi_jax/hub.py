@@ -231,8 +231,14 @@ def ensure_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
         params = checkpoint.load_gguf(gguf, progress=progress, keep_blocks=True)
         tokenizer = checkpoint.gguf_tokenizer(gguf)
         checkpoint.save(params, out, tokenizer, source=f"{_spec(name).package}=={_spec(name).version}:{gguf.name}")
-        for stale in model_dir(name).iterdir():  # whole conversions by older versions of this code, nothing else
-            m = _OLD_CONVERSION.match(stale.name)
-            if m and int(m.group(1)) != CONVERSION and stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
+        remove_old_conversions(model_dir(name))
     return out
+
+
+def remove_old_conversions(folder: Path) -> None:
+    """Delete whole conversions by older versions of this code in a model's folder, nothing else: a newer version's
+    conversion stays (a process of newer code may be reading it while this older or current code runs)."""
+    for stale in folder.iterdir():
+        m = _OLD_CONVERSION.match(stale.name)
+        if m and int(m.group(1)) < CONVERSION and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)

@@ -109,6 +109,19 @@ def test_three_processes_on_an_empty_cache_all_succeed(tmp_path):
     assert (model_dir / f"checkpoint-v{hub.CONVERSION}" / "kivi_jax.json").is_file()
 
 
+def test_only_older_conversions_are_removed(tmp_path):
+    """Two versions of the code share a model cache: converting removes older conversions, never a newer one (its
+    code may be reading it) nor anything else."""
+    old, new = tmp_path / f"checkpoint-v{hub.CONVERSION - 1}", tmp_path / f"checkpoint-v{hub.CONVERSION + 1}"
+    current, other = tmp_path / f"checkpoint-v{hub.CONVERSION}", tmp_path / "checkpoint-v1.txt"
+    for d in (old, new, current):
+        d.mkdir()
+        (d / "kivi_jax.json").write_text("{}")
+    other.write_text("x")
+    hub.remove_old_conversions(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([new.name, current.name, other.name])
+
+
 def dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
