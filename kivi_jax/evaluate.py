@@ -187,8 +187,8 @@ def teacher_forced(
     return {**out, "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2}
 
 
-def score_steps(params: Params, cache, inputs, targets, ref_logprobs=None, progress: Callable[[int], None] | None = None,
-                run_steps=_decode_steps, put=jnp.asarray):
+def score_steps(params: Params, cache, inputs, targets, ref_logprobs=None,
+                progress: Callable[[int], None] | None = None, run_steps=_decode_steps, put=jnp.asarray):
     """Feeds `inputs [steps, windows]` one token a step through `cache` (donated), scoring each step's prediction of
     `targets [steps, windows]`, in compiled chunks of `chunk_size(steps)` steps.
 

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import time
 import zlib
 from typing import Callable, Iterator
@@ -46,6 +45,8 @@ SPECS = ("full", "kivi2", "kivi4", "kivi2+", "kivi3+")
 # Whether the prompt goes through the chat template, per task: fixed from a test of both with the full cache before
 # any quantized spec was measured (docs/quality.md, "Long context").
 CHAT = {"passkey": False, "needle": False}
+CEILING = 0.9  # a length counts in the pass/fail reading where the full cache reaches this accuracy
+SLACK = 1 / 20  # a quantized cache passes there when it loses at most this fraction of the cases against full
 
 # KIVI's passkey_examples format (from landmark attention): filler, the key, more filler, the question
 PASSKEY_TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -86,10 +87,6 @@ class Case:
     tokens: tuple  # the prompt's token ids
     fact_at: int  # token index where the fact begins
     chat: bool = False  # the prompt is wrapped in the chat template
-
-    @property
-    def key(self) -> tuple:
-        return (self.task, self.length, self.cases, self.index)
 
 
 def depth(index: int, cases: int) -> float:
@@ -235,7 +232,7 @@ def _pad(tokens: np.ndarray, step: int, pad_id: int) -> np.ndarray:
     return np.pad(tokens, ((0, 0), (0, -(-n // step) * step - n)), constant_values=pad_id)
 
 
-def shared_prefill(params: Params, base: np.ndarray, stops: list[int], cache, step: int) -> Iterator[tuple[int, object]]:
+def shared_prefill(params: Params, base: np.ndarray, stops: list[int], cache, step: int) -> Iterator[tuple]:
     """Prefills `base [batch, n]` onto `cache` (donated) in chunks of `step`, yielding `(stop, cache)` once the first
     `stop` tokens are in, for each of the `stops` (multiples of `step`, ascending). The cache yielded is the live one:
     copy it (`copy_cache`) to use it past the next iteration."""
@@ -306,8 +303,8 @@ def answer_cases(params: Params, cases: list[Case], spec, tokenizer, impl: str =
             text = tokenizer.decode(ids, skip_special_tokens=True)
             record = {"task": case.task, "spec": spec_name(spec), "length": case.length, "cases": case.cases,
                       "index": case.index, "depth": case.depth, "prompt_tokens": len(prompts[i]),
-                      "fact_at": case.fact_at,
-                      "shared_tokens": starts[i], "chat": case.chat, "answer": case.answer, "output": text, "output_ids": ids,
+                      "fact_at": case.fact_at, "shared_tokens": starts[i], "chat": case.chat, "answer": case.answer,
+                      "output": text, "output_ids": ids,
                       "correct": is_correct(case, text), "seconds": round(time.perf_counter() - t1, 2),
                       "group_seconds": round(time.perf_counter() - t0, 2)}
             records.append(record)
@@ -412,13 +409,15 @@ def record_key(r: dict) -> tuple:
 
 
 class Results:
-    """The records of a run, appended to a JSON-lines file (when given) as each case finishes."""
+    """The records of a run, appended to a JSON-lines file (when given) as each case finishes, each with the
+    `protocol` it ran under; a file holding records of another protocol is refused (a field a record lacks, written
+    before that field existed, is not compared)."""
 
     def __init__(self, path: str | None, protocol: dict):
         self.path, self.protocol = path, protocol
         self.records = {}
         for r in load_records(path):
-            mismatch = {k: (r.get(k), v) for k, v in protocol.items() if r.get(k) != v}
+            mismatch = {k: (r[k], v) for k, v in protocol.items() if k in r and r[k] != v}
             if mismatch:
                 raise ValueError(f"{path} holds cases of another protocol ({mismatch}: file, now); give another "
                                  "--results file")
@@ -435,6 +434,12 @@ class Results:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+
+
+def text_fingerprint(tokens) -> str:
+    """Which prose a run read: its token count and a checksum of its token ids."""
+    tokens = np.asarray(tokens, np.int32)
+    return f"{len(tokens)} tokens, crc32 {zlib.crc32(tokens.tobytes()):08x}"
 
 
 def _ref_path(path: str | None, context: int) -> str | None:
@@ -457,7 +462,7 @@ def run(model, specs=SPECS, tasks=TASKS, lengths=None, results_path: str | None 
     lengths = [(n, CASES) for n in LENGTHS] if lengths is None else list(lengths)
     tokens = evaluate.tokenize(tokenizer, evaluate.default_text()) if tokens is None else np.asarray(tokens, np.int32)
     protocol = {"chunk": PREFILL_CHUNK, "answer_tokens": answer_tokens, "scored": scored, "impl": impl,
-                "chat_template": dict(CHAT)}
+                "chat_template": dict(CHAT), "text": text_fingerprint(tokens)}
     results = Results(results_path, protocol)
     log = log or (lambda s: None)
     for length, n_cases in lengths:
@@ -535,6 +540,12 @@ def report(records: list[dict], specs, tasks, lengths, contexts=CONTEXTS, docume
                                     "prompt_tokens": int(np.mean([r["prompt_tokens"] for r in got])),
                                     "wrong_depths": [round(r["depth"], 3) for r in got if not r["correct"]]}
             retrieval[task][spec] = rows
+        full = retrieval[task].get("full", {})
+        for spec, rows in retrieval[task].items():
+            for length, row in rows.items():
+                ceiling = full.get(length)
+                row["reading"] = ceiling is not None and ceiling["accuracy"] >= CEILING
+                row["within_slack"] = None if ceiling is None else ceiling["accuracy"] - row["accuracy"] <= SLACK + 1e-9
     longdoc = {}
     if "longdoc" in tasks:
         for spec in specs:
@@ -560,7 +571,12 @@ def markdown(rep: dict) -> str:
         for spec, rows in by_spec.items():
             cells = [f"{rows[n]['correct']}/{rows[n]['cases']}" if n in rows else "" for n in lengths]
             out.append(f"| `{spec}` | " + " | ".join(cells) + " |")
-        out.append("")
+        full = by_spec.get("full", {})
+        reading = [n for n in lengths if n in full and full[n]["reading"]]
+        out += ["", f"Lengths where the full cache reaches {CEILING:.0%} (the pass/fail reading): "
+                f"{', '.join(map(str, reading)) or 'none'}; within {SLACK * 20:.0f} case in 20 of full there: "
+                + "; ".join(f"`{spec}` {'yes' if all(rows[n]['within_slack'] for n in reading if n in rows) else 'no'}"
+                            for spec, rows in by_spec.items() if spec != "full"), ""]
     if rep["longdoc"]:
         contexts = rep["contexts"]
         out += [f"long-document loss ({rep['documents']} documents, {rep['scored']} tokens scored after each context): "

@@ -85,7 +85,8 @@ def test_passkey_prompts_are_deterministic_and_checkable(tokenizer):
         assert "The grass is green. The sky is blue." in prompt
     key = cases[2].answer
     assert longctx.is_correct(cases[2], f" {key}.") and longctx.is_correct(cases[2], f"The pass key is {key}")
-    assert not longctx.is_correct(cases[2], f" {key}7") and not longctx.is_correct(cases[2], f" {key[:4]}{(int(key[4]) + 1) % 10}")
+    other = f"{key[:4]}{(int(key[4]) + 1) % 10}"
+    assert not longctx.is_correct(cases[2], f" {key}7") and not longctx.is_correct(cases[2], f" {other}")
     assert not longctx.decided(cases[2], f" {key[:3]}") and longctx.decided(cases[2], f" {key}.")
     chat = longctx.passkey_case(tokenizer, 400, 2, 5, chat=True)
     assert chat.answer == key and text(tokenizer, chat.tokens).startswith("<There is")
@@ -106,7 +107,7 @@ def test_needle_prompts_are_deterministic_and_checkable(tokenizer):
         assert c.fact_at == 0 or prompt[c.fact_at - 1] == "\n"  # the fact starts a line of the prose
         assert prompt.replace(longctx.NEEDLE_LINE.format(dish=dish, ingredient=c.answer) + "\n", "").startswith(
             PROSE[:200])  # the prose around it is the text's own start
-    assert [c.fact_at for c in cases][0] == 0 and cases[-1].fact_at > 250  # the last line start of the ~300 prose tokens
+    assert cases[0].fact_at == 0 and cases[-1].fact_at > 250  # the last line start of the ~300 prose tokens
     assert longctx.is_correct(cases[0], f" {cases[0].answer.capitalize()}, of course.")
     assert not longctx.is_correct(cases[0], " nothing at all")
 
@@ -163,6 +164,7 @@ def test_results_of_another_protocol_are_refused(tmp_path):
                                 "chunk": 256}) + "\n")
     with pytest.raises(ValueError, match="holds cases of another protocol"):
         longctx.Results(str(path), {"chunk": 512})
+    assert len(longctx.Results(str(path), {"chunk": 256, "text": "9 tokens"}).records) == 1  # "text": not recorded
 
 
 def test_lengths_parse_with_case_counts():
@@ -178,12 +180,29 @@ def test_cli_eval_longctx(model, tmp_path, capsys, monkeypatch):
     md, png, res, prose = tmp_path / "l.md", tmp_path / "l.png", tmp_path / "l.jsonl", tmp_path / "prose.txt"
     prose.write_text(PROSE)
     code = cli.main(["eval", "longctx", "--model", "tiny", "--text", str(prose), "--cache", "full", "--tasks",
-                     "passkey,needle", "--lengths", f"{LENGTH}:2", "--results", str(res), "--out", str(md), "--plot", str(png),
-                     "--quiet", "--json"])
+                     "needle", "--lengths", f"{LENGTH}:1", "--results", str(res), "--out", str(md),
+                     "--plot", str(png), "--quiet", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
     got = json.loads(out.out)
-    assert list(got["retrieval"]) == ["passkey", "needle"] and list(got["retrieval"]["passkey"]) == ["full"]
-    assert got["retrieval"]["needle"]["full"][str(LENGTH)]["cases"] == 2 and got["text"] == str(prose)
-    assert len(res.read_text().splitlines()) == 4 and "| `full` |" in md.read_text()
+    assert list(got["retrieval"]) == ["needle"] and list(got["retrieval"]["needle"]) == ["full"]
+    assert got["retrieval"]["needle"]["full"][str(LENGTH)]["cases"] == 1 and got["text"] == str(prose)
+    assert len(res.read_text().splitlines()) == 1 and "| `full` |" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_pass_fail_reading_counts_only_lengths_where_full_passes():
+    def cases(spec, length, correct, n=20):
+        return [{"task": "passkey", "spec": spec, "length": length, "cases": n, "index": i, "depth": i / (n - 1),
+                 "prompt_tokens": length, "correct": i < correct} for i in range(n)]
+
+    records = (cases("full", 1024, 20) + cases("a", 1024, 19) + cases("b", 1024, 18)
+               + cases("full", 4096, 9) + cases("a", 4096, 2) + cases("b", 4096, 9))
+    rep = longctx.report(records, ["full", "a", "b"], ["passkey"], [(1024, 20), (4096, 20)])
+    rows = rep["retrieval"]["passkey"]
+    assert rows["a"][1024]["within_slack"] and not rows["b"][1024]["within_slack"]  # 1 case lost of 20, and 2
+    assert rows["full"][1024]["reading"] and not rows["full"][4096]["reading"]  # full at 45%: out of the reading
+    assert rows["b"][1024]["wrong_depths"] == [round(18 / 19, 3), 1.0]
+    table = longctx.markdown(rep)
+    assert "| `a` | 19/20 | 2/20 |" in table
+    assert "(the pass/fail reading): 1024; within 1 case in 20 of full there: `a` yes; `b` no" in table
