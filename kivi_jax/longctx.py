@@ -226,6 +226,14 @@ def copy_cache(cache):
     return jax.tree.map(jnp.copy, cache)
 
 
+def placed_like(params: Params, tree):
+    """`tree`'s arrays committed to a device as `params` are (loaded weights are; a model built from numpy arrays is
+    not). A jitted step compiles again when an input's commitment changes, as a fresh cache's does once the step's
+    own outputs come back; placed so from the start, each step compiles once (the same program, the same numbers)."""
+    like = jax.tree.leaves(params)[0]
+    return jax.tree.map(lambda x: jax.device_put(x, like.sharding), tree) if like.committed else tree
+
+
 def _pad(tokens: np.ndarray, step: int, pad_id: int) -> np.ndarray:
     """`tokens [batch, n]` right-padded to whole chunks of `step`."""
     n = tokens.shape[1]
@@ -249,8 +257,8 @@ def shared_prefill(params: Params, base: np.ndarray, stops: list[int], cache, st
 def greedy(params: Params, last: jax.Array, cache, steps: int, eos, stop: Callable[[list[int]], bool]) -> list[int]:
     """Greedy tokens after a prefill (`last [1, vocab]` its logits) as `generate` decodes them, up to `steps`, an EOS
     or `stop(tokens)`."""
-    key, out, sampling = jax.random.PRNGKey(0), [], Sampling()
-    live = jnp.ones((1,), jnp.int32)
+    key, out, sampling = placed_like(params, jax.random.PRNGKey(0)), [], Sampling()
+    live = placed_like(params, jnp.ones((1,), jnp.int32))
     tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
     for i in range(steps):
         t = int(tok[0])
@@ -286,7 +294,7 @@ def answer_cases(params: Params, cases: list[Case], spec, tokenizer, impl: str =
         starts = [min(int(shared[base, i]), len(p) - 1) // step * step for i, p in enumerate(prompts)]
         order = np.argsort(starts, kind="stable")
         stops = sorted(set(starts))
-        cache = make_cache(spec, cfg, 1, max_tokens, params.dtype, impl)
+        cache = placed_like(params, make_cache(spec, cfg, 1, max_tokens, params.dtype, impl))
         t0 = time.perf_counter()
         branches = shared_prefill(params, prompts[base][None], stops, cache, step)
         stop, branch = next(branches)
@@ -351,7 +359,7 @@ def longdoc_loss(params: Params, documents: np.ndarray, spec, contexts=CONTEXTS,
         raise ValueError(f"contexts {contexts} must be multiples of the prefill chunk {chunk} (or one context), so "
                          "that a shared prefill is the one each context's prompt would get")
     max_tokens = cache_size(contexts[-1], scored, spec, None, cfg)
-    cache = make_cache(spec, cfg, documents.shape[0], max_tokens, params.dtype, impl)
+    cache = placed_like(params, make_cache(spec, cfg, documents.shape[0], max_tokens, params.dtype, impl))
     results = {}
     for c, branch in shared_prefill(params, documents, contexts, cache, step):
         if c in skip:

@@ -85,8 +85,9 @@ def test_passkey_prompts_are_deterministic_and_checkable(tokenizer):
         assert "The grass is green. The sky is blue." in prompt
     key = cases[2].answer
     assert longctx.is_correct(cases[2], f" {key}.") and longctx.is_correct(cases[2], f"The pass key is {key}")
-    other = f"{key[:4]}{(int(key[4]) + 1) % 10}"
-    assert not longctx.is_correct(cases[2], f" {key}7") and not longctx.is_correct(cases[2], f" {other}")
+    for wrong in (f"{key[:4]}{(int(key[4]) + 1) % 10}", f"{(int(key[0]) % 9) + 1}{key[1:]}", f"{key}7", f"1{key}",
+                  key[:4]):  # the last digit changed, the first (never to 0), a digit more at either end, one less
+        assert wrong != key and not longctx.is_correct(cases[2], f" {wrong}."), wrong
     assert not longctx.decided(cases[2], f" {key[:3]}") and longctx.decided(cases[2], f" {key}.")
     chat = longctx.passkey_case(tokenizer, 400, 2, 5, chat=True)
     assert chat.answer == key and text(tokenizer, chat.tokens).startswith("<There is")
@@ -206,3 +207,12 @@ def test_the_pass_fail_reading_counts_only_lengths_where_full_passes():
     table = longctx.markdown(rep)
     assert "| `a` | 19/20 | 2/20 |" in table
     assert "(the pass/fail reading): 1024; within 1 case in 20 of full there: `a` yes; `b` no" in table
+
+
+def test_caches_are_placed_as_the_params_are():
+    fresh = {"k": jnp.zeros(3), "length": jnp.zeros(1, jnp.int32)}
+    assert not any(x.committed for x in jax.tree.leaves(longctx.placed_like({"w": jnp.ones(2)}, fresh)))
+    loaded = {"w": jax.device_put(jnp.ones(2), jax.devices()[0])}  # as loaded weights are
+    placed = longctx.placed_like(loaded, fresh)
+    assert all(x.committed for x in jax.tree.leaves(placed))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(fresh)))
