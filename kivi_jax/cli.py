@@ -434,11 +434,17 @@ def cmd_eval_longctx(args) -> int:
         from kivi_jax.plots import _pyplot
 
         _pyplot()  # matplotlib missing: say so before the run, not after
-    args.mesh_obj = None  # one device
-    model, tokens, text_name = _eval_model_and_text(args)
-    log = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
-    rep = longctx.run(model, specs, tasks, lengths, args.results, tokens, args.documents, impl=args.attention_impl,
-                      log=log)
+    if args.report_only:
+        if not args.results:
+            raise ValueError("--report-only reports the cases of a --results file; give one")
+        rep = longctx.report_file(args.results, specs, tasks, lengths, args.documents)
+        tokens, text_name = None, f"the cases in {args.results}"
+    else:
+        args.mesh_obj = None  # one device
+        model, tokens, text_name = _eval_model_and_text(args)
+        log = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+        rep = longctx.run(model, specs, tasks, lengths, args.results, tokens, args.documents,
+                          impl=args.attention_impl, log=log)
     what = f"{args.model}, {text_name}, prefill chunks of {longctx.PREFILL_CHUNK}, greedy answers"
     table = longctx.markdown(rep)
     if args.out:
@@ -449,7 +455,8 @@ def cmd_eval_longctx(args) -> int:
 
         plot_longctx(rep, args.model, args.plot)
     if args.json:
-        print(json.dumps({"model": args.model, "text": text_name, "text_tokens": int(len(tokens)), **rep}))
+        size = {} if tokens is None else {"text_tokens": int(len(tokens))}
+        print(json.dumps({"model": args.model, "text": text_name, **size, **rep}))
     else:
         print(f"Long-context evaluation through the cache ({what})\n")
         print(table, end="")
@@ -565,6 +572,8 @@ def add_eval_parser(sub) -> None:
     lc.add_argument("--plot", type=writable_file, default="",
                     help="PNG to write: accuracy against length, ΔNLL against context ('' for none, the default)")
     cli_args.add_impl_arg(lc)
+    lc.add_argument("--report-only", action="store_true",
+                    help="run nothing: the tables, plot and JSON of the cases the --results file holds")
     lc.add_argument("--quiet", action="store_true", help="no line per finished case on stderr")
     lc.set_defaults(func=cmd_eval_longctx)
 

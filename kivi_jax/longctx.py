@@ -525,6 +525,16 @@ def run(model, specs=SPECS, tasks=TASKS, lengths=None, results_path: str | None 
     return report(list(results.records.values()), specs, tasks, lengths, contexts, documents, scored)
 
 
+def report_file(path: str, specs=SPECS, tasks=TASKS, lengths=None, documents: int = DOCUMENTS, contexts=CONTEXTS,
+                scored: int = SCORED) -> dict:
+    """The report (`report`) of the cases a results file holds, running none (cases it lacks are left out)."""
+    if not os.path.exists(path):
+        raise ValueError(f"no results file {path}; run the evaluation with --results {path} first")
+    specs = list(dict.fromkeys(["full"] + [spec_name(parse_cache_spec(s)) for s in specs]))
+    lengths = [(n, CASES) for n in LENGTHS] if lengths is None else list(lengths)
+    return report(load_records(path), specs, tasks, lengths, contexts, documents, scored)
+
+
 def _load_ref(path: str | None, context: int):
     p = _ref_path(path, context)
     return jnp.asarray(np.load(p)) if p is not None and os.path.exists(p) else None

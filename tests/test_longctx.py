@@ -191,6 +191,15 @@ def test_cli_eval_longctx(model, tmp_path, capsys, monkeypatch):
     assert len(res.read_text().splitlines()) == 1 and "| `full` |" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    monkeypatch.setattr(kivi_jax, "load", None)  # reporting the file's cases loads no model and runs nothing
+    again = tmp_path / "again.md"
+    code = cli.main(["eval", "longctx", "--model", "tiny", "--cache", "full", "--tasks", "needle", "--lengths",
+                     f"{LENGTH}:1", "--results", str(res), "--report-only", "--out", str(again), "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert json.loads(out.out)["retrieval"] == got["retrieval"] and len(res.read_text().splitlines()) == 1
+    assert again.read_text().split("\n\n", 1)[1] == md.read_text().split("\n\n", 1)[1]  # the same tables
+
 
 def test_the_pass_fail_reading_counts_only_lengths_where_full_passes():
     def cases(spec, length, correct, n=20):
