@@ -434,6 +434,48 @@ def cmd_eval_errors(args) -> int:
     return 0
 
 
+def cmd_eval_longctx(args) -> int:
+    from kivi_jax import longctx
+
+    specs = _split_specs(args.cache)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in longctx.TASKS]
+    if bad or not tasks:
+        raise ValueError(f"--tasks {args.tasks!r}: choose from {', '.join(longctx.TASKS)}")
+    lengths = longctx.parse_lengths(args.lengths, args.cases)
+    if args.plot:
+        from kivi_jax.plots import _pyplot
+
+        _pyplot()  # matplotlib missing: say so before the run, not after
+    if args.report_only:
+        if not args.results:
+            raise ValueError("--report-only reports the cases of a --results file; give one")
+        rep = longctx.report_file(args.results, specs, tasks, lengths, args.documents)
+        tokens, text_name = None, f"the cases in {args.results}"
+    else:
+        args.mesh_obj = None  # one device
+        model, tokens, text_name = _eval_model_and_text(args)
+        log = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+        rep = longctx.run(model, specs, tasks, lengths, args.results, tokens, args.documents,
+                          impl=args.attention_impl, log=log)
+    what = f"{args.model}, {text_name}, prefill chunks of {longctx.PREFILL_CHUNK}, greedy answers"
+    table = longctx.markdown(rep)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(f"Long-context evaluation through the cache ({what}).\n\n{table}")
+    if args.plot:
+        from kivi_jax.plots import plot_longctx
+
+        plot_longctx(rep, args.model, args.plot)
+    if args.json:
+        size = {} if tokens is None else {"text_tokens": int(len(tokens))}
+        print(json.dumps({"model": args.model, "text": text_name, **size, **rep}))
+    else:
+        print(f"Long-context evaluation through the cache ({what})\n")
+        print(table, end="")
+    return 0
+
+
 def _add_eval_common(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--text", default=None,
@@ -458,7 +500,7 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_eval_parser(sub) -> None:
-    """`kivi-jax eval ppl | ablate | errors`: quality through the cache (kivi_jax.evaluate)."""
+    """`kivi-jax eval ppl | ablate | errors | longctx`: quality through the cache (kivi_jax.evaluate, kivi_jax.longctx)."""
     e = sub.add_parser("eval", help="quality through the cache: perplexity, the KIVI ablation, error diagnostics",
                        description="Quality of a cache configuration, measured through the cache (docs/design.md §6).")
     esub = e.add_subparsers(dest="eval_command", required=True)
@@ -510,6 +552,43 @@ def add_eval_parser(sub) -> None:
     r.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=2, help="bits for keys and values (default 2)")
     r.add_argument("--group-size", type=integer(1), default=32, help="group size G (default 32)")
     r.set_defaults(func=cmd_eval_errors)
+
+
+    from kivi_jax import longctx
+
+    lc = esub.add_parser(
+        "longctx", help="long context: passkey retrieval, a needle in prose, long-document loss; table and plot",
+        description="Through the cache as generation runs it (prefill in chunks, then greedy decoding): a 5-digit "
+                    "pass key in filler and a made-up fact in the prose of --text, each at --cases depths from 0 to "
+                    "100% per length, answered greedily and scored by exact match; and the teacher-forced loss of "
+                    f"{longctx.SCORED} tokens after {', '.join(map(str, longctx.CONTEXTS))} tokens of --documents "
+                    "documents, with KL and top-1 agreement against the full cache (always run, first). With "
+                    "--results, each finished case is appended to that file and a rerun skips the cases it holds.",
+        epilog=SPEC_HELP,
+    )
+    _add_eval_common(lc)
+    lc.add_argument("--cache", default=",".join(longctx.SPECS),
+                    help=f"comma-separated cache specs (default {','.join(longctx.SPECS)}); full always runs")
+    lc.add_argument("--tasks", default=",".join(longctx.TASKS),
+                    help=f"comma-separated tasks (default {','.join(longctx.TASKS)})")
+    lc.add_argument("--lengths", default=",".join(map(str, longctx.LENGTHS)), metavar="LENGTH[:CASES],...",
+                    help="retrieval prompt lengths in tokens, each optionally with its own case count (default "
+                         f"{','.join(map(str, longctx.LENGTHS))}; capped at the model's positions less the answer)")
+    lc.add_argument("--cases", type=integer(1), default=longctx.CASES,
+                    help=f"retrieval cases a length, depths spread evenly over 0..100%% (default {longctx.CASES})")
+    lc.add_argument("--documents", type=integer(1), default=longctx.DOCUMENTS,
+                    help=f"documents for the long-document loss, evenly spaced over the text (default "
+                         f"{longctx.DOCUMENTS})")
+    lc.add_argument("--results", type=writable_file, default=None,
+                    help="a JSON-lines file: each finished case is appended; a rerun skips the cases it holds")
+    lc.add_argument("--out", type=writable_file, default="", help="markdown tables to write ('' for none, the default)")
+    lc.add_argument("--plot", type=writable_file, default="",
+                    help="PNG to write: accuracy against length, ΔNLL against context ('' for none, the default)")
+    cli_args.add_impl_arg(lc)
+    lc.add_argument("--report-only", action="store_true",
+                    help="run nothing: the tables, plot and JSON of the cases the --results file holds")
+    lc.add_argument("--quiet", action="store_true", help="no line per finished case on stderr")
+    lc.set_defaults(func=cmd_eval_longctx)
 
 
 def add_bench_parser(sub) -> None:

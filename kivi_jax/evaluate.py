@@ -182,18 +182,32 @@ def teacher_forced(
     t1 = time.perf_counter()
     cache = jax.block_until_ready(run_prefill(params, prompts))
     t2 = time.perf_counter()
+    _, out = score_steps(params, cache, inputs, targets, ref_logprobs, progress, run_steps, put)
+    t3 = time.perf_counter()
+    return {**out, "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2}
+
+
+def score_steps(params: Params, cache, inputs, targets, ref_logprobs=None,
+                progress: Callable[[int], None] | None = None, run_steps=_decode_steps, put=jnp.asarray):
+    """Feeds `inputs [steps, windows]` one token a step through `cache` (donated), scoring each step's prediction of
+    `targets [steps, windows]`, in compiled chunks of `chunk_size(steps)` steps.
+
+    Returns the cache and `nll`, `kl`, `top1` `[windows, steps]` (against `ref_logprobs [steps, windows, vocab]`, an
+    earlier run's `logprobs`) and, without a reference, this run's `logprobs`. `run_steps`: `_decode_steps` or its
+    compiled form; `put` places a step-major array (on a mesh: split over the data axis)."""
+    steps = len(inputs)
+    chunk = chunk_size(steps)
     outs = []
-    for i in range(0, decode, chunk):
-        cache, out = run_steps(params, cache, put(inputs[i : i + chunk]), put(targets[i : i + chunk]), ref_at(i))
+    for i in range(0, steps, chunk):
+        ref = None if ref_logprobs is None else put(ref_logprobs[i : i + chunk])
+        cache, out = run_steps(params, cache, put(inputs[i : i + chunk]), put(targets[i : i + chunk]), ref)
         jax.block_until_ready(out[0])
         outs.append(out)
         if progress is not None:
             progress(chunk)
-    t3 = time.perf_counter()
-    nll, kl, top1 = (np.concatenate([sharding.to_host(o[j]) for o in outs]).T for j in range(3))  # [windows, decode]
+    nll, kl, top1 = (np.concatenate([sharding.to_host(o[j]) for o in outs]).T for j in range(3))  # [windows, steps]
     logp = None if ref_logprobs is not None else jnp.concatenate([o[3] for o in outs])
-    return {"nll": nll, "kl": kl, "top1": top1, "logprobs": logp, "compile_seconds": t1 - t0,
-            "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2}
+    return cache, {"nll": nll, "kl": kl, "top1": top1, "logprobs": logp}
 
 
 def evaluate(

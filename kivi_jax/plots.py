@@ -151,3 +151,40 @@ def plot_tradeoff(rows: list[dict], title: str, path) -> str:
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_longctx(report: dict, title: str, path) -> str:
+    """The long-context evaluation (`longctx.report`): accuracy against prompt length per spec for each retrieval
+    task, and ΔNLL against context length per quantized spec (long-document loss)."""
+    plt = _pyplot()
+    tasks = list(report["retrieval"])
+    panels = len(tasks) + bool(report["longdoc"])
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(5.2 * max(panels, 1), 4.2), squeeze=False)
+    axes = list(axes[0])
+    for ax, task in zip(axes, tasks):
+        for spec, rows in report["retrieval"][task].items():
+            pts = sorted((int(n), r["accuracy"]) for n, r in rows.items())
+            if pts:
+                ax.plot([n for n, _ in pts], [a for _, a in pts], marker="o", label=spec,
+                        linestyle="--" if spec == "full" else "-", color="black" if spec == "full" else None)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("accuracy (exact match)")
+        ax.set_title(f"{task}: {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if report["longdoc"]:
+        ax = axes[len(tasks)]
+        for spec, rows in report["longdoc"].items():
+            pts = sorted((int(c), r["delta_nll"]) for c, r in rows.items() if r["delta_nll"] is not None)
+            if spec != "full" and pts:
+                ax.plot([c for c, _ in pts], [d for _, d in pts], marker="o", label=spec)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xlabel("context before the scored tokens (tokens)")
+        ax.set_ylabel("ΔNLL vs full precision (nats/token)")
+        ax.set_title(f"long-document loss: {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+        if ax.lines[1:]:
+            ax.legend(fontsize=8)
+    return _save(fig, path)
