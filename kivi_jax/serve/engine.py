@@ -3,7 +3,8 @@
 A slot is FREE (nothing in it), LIVE (a request decoding) or HELD (a finished request's cache, kept for prefix reuse
 until the slot is needed). `admit` prefills a request into a one-sequence cache (in chunks of a static size, starting
 from a held prefix's cache when the prompt extends one), samples its first token and inserts the cache into a slot;
-`step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one. With
+`step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one. One
+request may take several slots (`n` choices): its prompt is prefilled once and the cache inserted into each. With
 `decode_group` the slots are split into groups, each its own batch cache, and a step calls the one jitted decode once
 per group that holds a live slot (one compilation; idle groups cost nothing).
 
@@ -13,14 +14,22 @@ comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract`
 With `mesh` (docs/sharding.md) the params and every group's batch cache are sharded by the table (slots over the
 data axis, heads over the model axis), a request is prefilled into a one-sequence cache that is whole on every data
 shard (heads still split), and insert / extract move one row between the two without gathering a batch cache.
+
+Scoring a prompt (`echo` with logprobs, docs/serving.md): each prompt token's log-probability is what a decode step
+reading the cache would give it, as `kivi-jax eval` scores text. The first R tokens (all of them for the full cache)
+are prefilled in one piece with logits at every position: nothing is quantized before the ring first fills, so that
+is exactly what one-token steps would compute. The rest of the prompt is fed one token a step through the batched
+decode step, the next prompt token forced instead of sampled (the slot's key chain does not advance meanwhile).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import secrets
 import time
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +39,10 @@ from jax.sharding import PartitionSpec as P
 from kivi_jax import rotation, sharding
 from kivi_jax.cache import make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.generate import PREFILL_CHUNK, prefill
+from kivi_jax.generate import PREFILL_CHUNK, PROMPT_BUCKET, check_chunk, prefill
 from kivi_jax.models.llama import Params, forward
-from kivi_jax.serve.sampling import RowSampling, sample_rows, split_rows
+from kivi_jax.serve.sampling import (RowSampling, apply_bitmask, bitmask_width, sample_rows, split_rows,
+                                     token_logprobs)
 
 DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 
@@ -142,21 +152,48 @@ def reset_length(cache, slot: jax.Array):
     return cache.replace(length=cache.length.at[slot].set(0))
 
 
+def _choose(logits, keys, temperature, top_k, top_p, forced, forced_next, constrained, bitmask, wanted):
+    """The next token of every row from float32 logits `[rows, vocab]`: a forced row's `forced_next` (a prompt token
+    being scored), else a draw from the logits under the row's bitmask (when `constrained`). Returns the tokens, their
+    log-probabilities and each row's top alternatives (`token_logprobs`, zeros unless some row is `wanted`) and the
+    keys to continue with (a forced row's key does not advance)."""
+    next_keys, sub = split_rows(keys)
+    sampled = sample_rows(apply_bitmask(logits, bitmask, constrained), sub, temperature, top_k, top_p)
+    chosen = jnp.where(forced, forced_next, sampled)
+    logprob, top_ids, top_logprobs = token_logprobs(logits, chosen, wanted)
+    return chosen, logprob, top_ids, top_logprobs, jnp.where(forced[:, None], keys, next_keys)
+
+
 @jax.jit
-def sample_first(logits, key, temperature, top_k, top_p):
-    """The first token of a request from its prefill logits `[1, vocab]`, as `generate` draws it; returns the token
-    `[1]` and the key to continue with."""
-    key, sub = split_rows(key)
-    return sample_rows(logits, sub, temperature, top_k, top_p), key
+def sample_first(logits, keys, temperature, top_k, top_p, constrained, bitmask, wanted):
+    """The first token of each of a request's choices `[choices]` from its prefill logits `[1, vocab]` and the
+    choices' keys `[choices, 2]`, as `generate` draws it; returns `_choose`'s outputs."""
+    rows = keys.shape[0]
+    none = jnp.zeros((rows,), bool)
+    return _choose(jnp.broadcast_to(logits, (rows, logits.shape[-1])), keys, temperature, top_k, top_p, none,
+                   jnp.zeros((rows,), jnp.int32), constrained, bitmask, wanted)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "keys"))
-def decode_slots(params: Params, tokens, live, cache, keys, temperature, top_k, top_p):
+def decode_slots(params: Params, tokens, live, cache, keys, temperature, top_k, top_p, forced, forced_next,
+                 constrained, bitmask, wanted):
     """One token for every slot: `tokens [slots]`, `live [slots]` bool (other slots advance by 0 tokens) -> (next
-    tokens `[slots]`, cache, keys)."""
+    tokens `[slots]`, their logprobs `[slots]`, top ids and logprobs `[slots, K]`, cache, keys); see `_choose`."""
     logits, cache = forward(params, tokens[:, None], cache, num_new=live.astype(jnp.int32))
-    keys, sub = split_rows(keys)
-    return sample_rows(logits[:, 0], sub, temperature, top_k, top_p), cache, keys
+    chosen, logprob, top_ids, top_logprobs, keys = _choose(logits[:, 0], keys, temperature, top_k, top_p, forced,
+                                                           forced_next, constrained, bitmask, wanted)
+    return chosen, logprob, top_ids, top_logprobs, cache, keys
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def prefill_scored_chunk(params: Params, tokens, num_new, cache, targets, last, last_at):
+    """One prompt chunk `tokens [1, C]` (`num_new [1]` real) onto the cache, scoring every position's prediction of
+    `targets [1, C]` (the next prompt token): (logprobs `[C]`, top ids and logprobs `[C, K]`, the logits after the
+    prompt's last token `[1, vocab]` (kept from `last` unless it is at `last_at` in this chunk), cache)."""
+    logits, cache = forward(params, tokens, cache, num_new=num_new)  # [1, C, vocab]
+    logprob, top_ids, top_logprobs = token_logprobs(logits[0], targets[0], jnp.ones((1,), bool))
+    last = jnp.where(last_at >= 0, logits[:, jnp.maximum(last_at, 0)], last)
+    return logprob, top_ids, top_logprobs, last, cache
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -164,16 +201,40 @@ def decode_slots(params: Params, tokens, live, cache, keys, temperature, top_k, 
 
 
 class NoFreeSlot(RuntimeError):
-    """Every slot is live."""
+    """Every slot is live (or fewer are free than a request's choices)."""
+
+
+class Out(NamedTuple):
+    """What a slot produced in a step: a generated token, or (`prompt`) the next prompt token being scored; with
+    logprobs asked for, its log-probability and the MAX_LOGPROBS most likely `(token, logprob)`, most likely first."""
+
+    token: int
+    prompt: bool = False
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclasses.dataclass
+class Admitted:
+    """A request in its slots: `first[i]` is choice i's first generated token (None while its prompt is still being
+    scored, one token a step); `prompt_scores` (when asked) the scores of the prompt's tokens after the first that the
+    prefill computed (the rest come from `step` as `Out(prompt=True)`)."""
+
+    slots: list[int]
+    first: list[Out | None]
+    prompt_scores: list[Out] | None = None
 
 
 @dataclasses.dataclass
 class Slot:
     state: str = FREE
     tokens: list[int] = dataclasses.field(default_factory=list)  # the tokens the slot's cache holds (fed tokens)
-    last: int = 0  # the token to feed next (sampled, not yet in the cache)
+    last: int = 0  # the token to feed next (sampled or a prompt token, not yet in the cache)
     sampling: RowSampling = RowSampling(0.0)
     used_at: float = 0.0  # when it last changed (the least recently used held slot is evicted first)
+    forced: collections.deque = dataclasses.field(default_factory=collections.deque)  # prompt tokens to score yet
+    logprobs: bool = False  # report each token's logprob and top alternatives
+    constraint: object = None  # a grammar's matcher: fill_bitmask(row) before, accept(token) after each draw
 
 
 class Engine:
@@ -227,6 +288,8 @@ class Engine:
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh)
                        for _, n in self.groups]
         self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
+        self.mask_words = bitmask_width(cfg.vocab_size)
+        self.no_mask = [self._put(np.zeros((n, self.mask_words), np.int32)) for _, n in self.groups]  # unconstrained
         self.slot_bytes = slot_bytes(self.spec, cfg, max_length, self.dtype)
         self.slots = [Slot() for _ in range(slots)]
         self.eos = frozenset(cfg.eos_token_ids)
@@ -247,8 +310,9 @@ class Engine:
     def live_slots(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s.state == LIVE]
 
-    def has_free_slot(self) -> bool:
-        return any(s.state != LIVE for s in self.slots)
+    def has_free_slot(self, n: int = 1) -> bool:
+        """Whether `n` slots are not live (free or held)."""
+        return sum(s.state != LIVE for s in self.slots) >= n
 
     @property
     def cache_bytes(self) -> int:
@@ -259,12 +323,13 @@ class Engine:
         """Bytes of the slots that hold something (live or held)."""
         return self.slot_bytes * (self.num_slots - self.count(FREE))
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raises ValueError (with the limits) unless a prompt of this many tokens plus `max_tokens` fits a slot."""
+    def check_fits(self, prompt_tokens: int, max_tokens: int, least: int = 1) -> None:
+        """Raises ValueError (with the limits) unless a prompt of this many tokens plus `max_tokens` fits a slot
+        (`max_tokens` at least `least`: 0 for a prompt that is only scored)."""
         if prompt_tokens < 1:
             raise ValueError("the prompt has no tokens")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens} must be at least 1")
+        if max_tokens < least:
+            raise ValueError(f"max_tokens={max_tokens} must be at least {least}")
         if prompt_tokens + max_tokens > self.max_length:
             room = []
             if max_tokens < self.max_length:
@@ -324,44 +389,143 @@ class Engine:
                 best, best_len = i, n
         return best
 
-    def _pick_slot(self) -> int:
-        free = [i for i, s in enumerate(self.slots) if s.state == FREE]
+    def _pick_slot(self, taken: Sequence[int] = ()) -> int:
+        free = [i for i, s in enumerate(self.slots) if s.state == FREE and i not in taken]
         if free:
             return free[0]
-        held = [i for i, s in enumerate(self.slots) if s.state == HELD]
+        held = [i for i, s in enumerate(self.slots) if s.state == HELD and i not in taken]
         if not held:
             raise NoFreeSlot(f"all {self.num_slots} slots are live")
         return min(held, key=lambda i: self.slots[i].used_at)
 
+    def prefill_scored(self, tokens: list[int], targets: list[int]):
+        """Prefills `tokens` onto a fresh one-sequence cache, scoring each position's prediction of `targets` (as
+        long as `tokens`; the next prompt token at each) -> (scores `[Out]`, the logits after the last token
+        `[1, vocab]`, the cache). Chunks as `generate.prefill` makes them."""
+        n = len(tokens)
+        size = min(-(-n // PROMPT_BUCKET) * PROMPT_BUCKET, check_chunk(self.prefill_chunk))
+        n_chunks = -(-n // size)
+        pad = self.cfg.pad_id
+        tokens = np.asarray(tokens + [pad] * (n_chunks * size - n), np.int32)[None]
+        targets = np.asarray(targets + [pad] * (n_chunks * size - n), np.int32)[None]
+        put = jnp.asarray if self.mesh is None else functools.partial(sharding.put_batch, mesh=self.mesh)
+        cache, last = self.fresh_cache(), put(np.zeros((1, self.cfg.vocab_size), np.float32))
+        pieces = []
+        with sharding.use_mesh(self.mesh):
+            for c in range(n_chunks):
+                lo = c * size
+                at = n - 1 - lo if lo <= n - 1 < lo + size else -1
+                lp, ids, top, last, cache = prefill_scored_chunk(
+                    self.params, put(tokens[:, lo : lo + size]), put(np.asarray([min(size, n - lo)], np.int32)),
+                    cache, put(targets[:, lo : lo + size]), last, jnp.int32(at))
+                pieces.append((lp, ids, top))
+        scores = []
+        for c, (lp, ids, top) in enumerate(pieces):
+            lp, ids, top = np.asarray(lp), np.asarray(ids), np.asarray(top)
+            for j in range(min(size, n - c * size)):
+                t = c * size + j
+                scores.append(Out(int(targets[0, t]), True, float(lp[j]),
+                                  tuple(zip(ids[j].tolist(), top[j].tolist()))))
+        return scores, last, cache
+
+    def _masks(self, rows: list[Slot], constrained: list[bool], g: int | None = None):
+        """The bitmask `[rows, words]` of a group (or of a request's choices, `g` None) and whether any row uses it."""
+        if not any(constrained):
+            return (self.no_mask[g] if g is not None else jnp.zeros((len(rows), self.mask_words), jnp.int32)), False
+        bits = np.full((len(rows), self.mask_words), -1, np.int32)
+        for r, (s, c) in enumerate(zip(rows, constrained)):
+            if c:
+                s.constraint.fill_bitmask(bits[r])
+        return (self._put(bits) if g is not None else jnp.asarray(bits)), True
+
     def admit(self, prompt: list[int], sampling: RowSampling) -> tuple[int, int]:
         """Prefills `prompt` (reusing a held prefix when one matches), samples its first token and puts it in a slot.
         Returns (slot, first token). The slot is live until `finish`."""
+        admitted = self.admit_choices(prompt, [sampling])
+        return admitted.slots[0], admitted.first[0].token
+
+    def admit_choices(self, prompt: list[int], samplings: Sequence[RowSampling], *, score_prompt: bool = False,
+                      logprobs: bool = False, constraints: Sequence | None = None) -> Admitted:
+        """Prefills `prompt` once and puts it in one slot per choice (each with its own sampling and key, from its
+        seed). Without `score_prompt` a held prefix is reused when one matches and every choice's first token is
+        sampled now; with it the prompt is scored (see the module docstring; the first prompt token has no score) and
+        the choices start live on the prompt's remaining tokens, if any. `logprobs`: every Out carries its scores;
+        `constraints[i]`: choice i's grammar matcher (or None)."""
+        k = len(samplings)
+        constraints = list(constraints) if constraints is not None else [None] * k
+        if k < 1 or len(constraints) != k:
+            raise ValueError(f"{k} choices with {len(constraints)} constraints: give one or more choices, a "
+                             "constraint (or None) for each")
         self.check_fits(len(prompt), 1)
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
-        slot = self._reusable(prompt)
-        if slot is not None:
-            start, seq = len(self.slots[slot].tokens), self.extract(slot)
+        if not self.has_free_slot(k):
+            raise NoFreeSlot(f"{k} choices need {k} slots that are not live; "
+                             f"{sum(s.state != LIVE for s in self.slots)} of {self.num_slots} are")
+        slots, start, seq = [], 0, None
+        scores = None
+        if score_prompt:
+            # nothing is quantized until the ring first fills: up to R prompt tokens prefill as decode steps would
+            done = len(prompt) if self.spec == "full" else min(len(prompt), self.spec.residual_length)
+            scores, logits, seq = self.prefill_scored(prompt[:done], (prompt[1:] + [self.cfg.pad_id])[:done])
+            scores = scores[: len(prompt) - 1]  # the last position predicts the first generated token
         else:
-            slot, start, seq = self._pick_slot(), 0, None
-        logits, seq = self.prefill(prompt[start:], seq)
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
-        key = jax.random.PRNGKey(seed)[None]
-        with sharding.use_mesh(self.mesh):
-            first, key = sample_first(logits, key, *self._row_arrays([sampling]))
-        self.insert(seq, slot)
-        g, row = self._where(slot)
-        with sharding.use_mesh(self.mesh):
-            self.keys[g] = self.keys[g].at[row].set(key[0])
-        token = int(np.asarray(first)[0])
-        self.slots[slot] = Slot(LIVE, list(prompt), token, sampling, time.monotonic())
-        self.counters["prefill_tokens_computed"] += len(prompt) - start
+            reuse = self._reusable(prompt)
+            if reuse is not None:
+                slots, start, seq = [reuse], len(self.slots[reuse].tokens), self.extract(reuse)
+            logits, seq = self.prefill(prompt[start:], seq)
+            done = len(prompt)
+        while len(slots) < k:
+            slots.append(self._pick_slot(slots))
+        keys = jnp.stack([jax.random.PRNGKey(s.seed if s.seed is not None else secrets.randbits(31))
+                          for s in samplings])  # [choices, 2]
+        rows = [Slot(LIVE, list(prompt[:done]), 0, s, time.monotonic(), collections.deque(prompt[done + 1 :]),
+                     logprobs, c) for s, c in zip(samplings, constraints)]
+        first: list[Out | None] = [None] * k
+        if done == len(prompt):  # the whole prompt is in: each choice draws its first token from the last logits
+            bitmask, _ = self._masks(rows, [c is not None for c in constraints])
+            with sharding.use_mesh(self.mesh):
+                out = sample_first(logits, keys, *self._row_arrays(samplings),
+                                   jnp.asarray([c is not None for c in constraints]), bitmask,
+                                   jnp.full((k,), logprobs))
+            tokens, lp, ids, top, keys = out
+            first = self._outs(rows, np.asarray(tokens), (lp, ids, top) if logprobs else None)
+            for row, o in zip(rows, first):
+                row.last = o.token
+            self.counters["tokens_generated"] += k
+        else:  # the prompt goes on one token a step, scored; the keys start unsplit, as sample_first gets them
+            for row in rows:
+                row.last = prompt[done]
+        for i, (slot, row) in enumerate(zip(slots, rows)):
+            self.insert(seq, slot)
+            g, r = self._where(slot)
+            with sharding.use_mesh(self.mesh):
+                self.keys[g] = self.keys[g].at[r].set(keys[i])
+            self.slots[slot] = row
+        self.counters["prefill_tokens_computed"] += done - start
         self.counters["prefix_tokens_reused"] += start
         self.counters["requests_admitted"] += 1
-        self.counters["tokens_generated"] += 1
         self.peak_live = max(self.peak_live, self.count(LIVE))
-        return slot, token
+        return Admitted(slots, first, scores)
+
+    def _outs(self, rows: list[Slot], tokens: np.ndarray, scored) -> list[Out]:
+        """Each row's Out from the drawn or forced `tokens`; a generated token advances the row's constraint."""
+        if scored is not None:
+            lp, ids, top = (np.asarray(x) for x in scored)
+        outs = []
+        for r, s in enumerate(rows):
+            token = int(tokens[r])
+            prompt = bool(s.forced)
+            if prompt:
+                s.forced.popleft()
+            elif s.constraint is not None:
+                s.constraint.accept(token)
+            if scored is None or not s.logprobs:
+                outs.append(Out(token, prompt))
+            else:
+                outs.append(Out(token, prompt, float(lp[r]), tuple(zip(ids[r].tolist(), top[r].tolist()))))
+        return outs
 
     # -- decode -------------------------------------------------------------------------------------------------------
 
@@ -374,8 +538,13 @@ class Engine:
         return temperature, top_k, top_p
 
     def step(self) -> dict[int, int]:
-        """Feeds every live slot its last token and samples the next: {slot: new token}. Free and held slots get a
-        pad token and 0 new tokens; a group without a live slot is not run."""
+        """Feeds every live slot its last token: {slot: the token it produced} (see `step_scored`)."""
+        return {slot: out.token for slot, out in self.step_scored().items()}
+
+    def step_scored(self) -> dict[int, Out]:
+        """Feeds every live slot its last token and samples the next (or takes the next prompt token of a slot still
+        scoring its prompt): {slot: Out}. Free and held slots get a pad token and 0 new tokens; a group without a live
+        slot is not run."""
         live = self.live_slots()
         if not live:
             return {}
@@ -387,23 +556,30 @@ class Engine:
             mask = np.array([s.state == LIVE for s in rows])
             tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
             sampling = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in rows]
+            forced = np.array([s.state == LIVE and bool(s.forced) for s in rows])
+            forced_next = np.array([s.forced[0] if f else 0 for s, f in zip(rows, forced)], np.int32)
+            constrained = [s.state == LIVE and s.constraint is not None and not f for s, f in zip(rows, forced)]
+            wanted = np.array([s.state == LIVE and s.logprobs for s in rows])
+            bitmask, _ = self._masks(rows, constrained, g)
             with sharding.use_mesh(self.mesh):
-                nxt, self.caches[g], self.keys[g] = decode_slots(self.params, self._put(tokens), self._put(mask),
-                                                                 self.caches[g], self.keys[g],
-                                                                 *self._row_arrays(sampling, self._put))
-            pending.append((first, nxt))  # every group is dispatched before any result is read
-        host = np.zeros(self.num_slots, np.int64)
-        for first, nxt in pending:
-            values = np.asarray(nxt)
-            host[first : first + len(values)] = values
+                nxt, lp, ids, top, self.caches[g], self.keys[g] = decode_slots(
+                    self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
+                    *self._row_arrays(sampling, self._put), self._put(forced), self._put(forced_next),
+                    self._put(np.array(constrained)), bitmask, self._put(wanted))
+            pending.append((first, n, nxt, (lp, ids, top) if wanted.any() else None))  # all dispatched, then read
         out = {}
-        for i in live:
-            s = self.slots[i]
-            s.tokens.append(s.last)
-            s.last = int(host[i])
-            out[i] = s.last
+        for first, n, nxt, scored in pending:
+            rows = [i for i in range(first, first + n) if self.slots[i].state == LIVE]
+            tokens = np.asarray(nxt)[[i - first for i in rows]]
+            if scored is not None:
+                scored = tuple(np.asarray(x)[[i - first for i in rows]] for x in scored)
+            for i in rows:
+                self.slots[i].tokens.append(self.slots[i].last)
+            for i, o in zip(rows, self._outs([self.slots[i] for i in rows], tokens, scored)):
+                self.slots[i].last = o.token
+                out[i] = o
+                self.counters["tokens_generated"] += not o.prompt
         self.counters["decode_steps"] += 1
-        self.counters["tokens_generated"] += len(live)
         return out
 
     def finish(self, slot: int, hold: bool = True) -> None:

@@ -15,11 +15,13 @@ running. At shutdown (`UvicornServer`) the server stops admitting, ends the wait
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import socket
 import threading
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -27,22 +29,27 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kivi_jax.serve.sampling import RowSampling
+from kivi_jax.serve import grammar as grammar_mod
+from kivi_jax.serve.engine import Out
+from kivi_jax.serve.sampling import MAX_LOGPROBS, RowSampling
 from kivi_jax.serve.scheduler import (SHUTTING_DOWN, TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler,
                                       ShuttingDown)
 from kivi_jax.serve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 8  # choices a request may ask for (and at most the server's slots)
 MAX_TOP_K = 2**31 - 1  # an int32 in the sampler
-# Accepted and ignored (they change nothing here) or accepted only at their default value.
+# Accepted and ignored (they change nothing here) or accepted only at their default value (where a route does not
+# take them).
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 DEFAULT_ONLY = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": None,
                 "top_logprobs": None, "logit_bias": None, "echo": False, "suffix": None, "tools": None,
                 "tool_choice": None, "response_format": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "return_token_ids"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
-COMPLETION_KEYS = COMMON | {"prompt"}
+          "return_token_ids", "n", "response_format", "stop_token_ids", "logprobs"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -144,9 +151,19 @@ class Parsed:
     """A validated request: prompt token ids and everything the scheduler needs."""
 
     def __init__(self, prompt: list[int], max_tokens: int | None, sampling: RowSampling, stop: tuple[str, ...],
-                 stream: bool, include_usage: bool, token_ids: bool):
+                 stream: bool, include_usage: bool, token_ids: bool, n: int = 1, logprobs: int | None = None,
+                 echo: bool = False, stop_token_ids: frozenset[int] = frozenset(), grammar=None,
+                 continuous_usage: bool = False):
         self.prompt, self.max_tokens, self.sampling, self.stop = prompt, max_tokens, sampling, stop
         self.stream, self.include_usage, self.token_ids = stream, include_usage, token_ids
+        self.n, self.logprobs, self.echo, self.stop_token_ids = n, logprobs, echo, stop_token_ids
+        self.grammar, self.continuous_usage = grammar, continuous_usage
+        self.prompt_text = ""  # echo: the prompt as text
+
+    @property
+    def score_prompt(self) -> bool:
+        """Whether the prompt's own tokens are scored (echo with logprobs)."""
+        return self.echo and self.logprobs is not None
 
 
 class API:
@@ -163,6 +180,36 @@ class API:
         self.created = int(time.time())
         self.draining = asyncio.Event()  # set once at shutdown (`start_draining`)
         self.running: dict[str, tuple[Request, asyncio.Queue]] = {}  # id -> a queued or live request, its events
+        self.grammars = grammar_mod.Compiler(self._tokenizer_copy, self.engine.cfg.vocab_size, self.engine.eos)
+        self._strings: list[str] | None = None  # each token id as text (logprobs), made on first use
+        self._strings_lock = threading.Lock()
+
+    # -- tokens as text -----------------------------------------------------------------------------------------------
+
+    def _tokenizer_copy(self):
+        """A private copy of the tokenizer (a fast tokenizer must not be used by two threads at once)."""
+        with self.scheduler.encoder_lock:
+            return copy.deepcopy(self.scheduler.encoder)
+
+    def token_strings(self) -> list[str]:
+        """Every token id's own text (special tokens as they are written), for logprobs: `token_id:N` without a
+        tokenizer."""
+        with self._strings_lock:
+            if self._strings is None:
+                vocab, tok = self.engine.cfg.vocab_size, self.scheduler.encoder
+                if tok is None:
+                    self._strings = [f"token_id:{i}" for i in range(vocab)]
+                else:
+                    with self.scheduler.encoder_lock:
+                        self._strings = tok.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False,
+                                                         clean_up_tokenization_spaces=False)
+            return self._strings
+
+    def _detokenize(self, ids: list[int]) -> str:
+        if self.scheduler.encoder is None:
+            return ""
+        with self.scheduler.encoder_lock:
+            return self.scheduler.encoder.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     # -- reading and parsing ------------------------------------------------------------------------------------------
 
@@ -211,7 +258,15 @@ class API:
             else:
                 parsed = self._common(body, COMPLETION_KEYS)
                 parsed.prompt = self._completion_prompt(body)
+                if parsed.echo:
+                    prompt = body.get("prompt")
+                    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+                    parsed.prompt_text = prompt if isinstance(prompt, str) else self._detokenize(parsed.prompt)
             self._check_fit(parsed, "messages" if chat else "prompt")
+            if "response_format" in body and body["response_format"] is not None:
+                parsed.grammar = self._grammar(body["response_format"])
+            if parsed.logprobs is not None:
+                self.token_strings()  # made here, in the worker thread, the first time
         except RecursionError:  # a value nested nearly as deep as the parser allows, in a key that is looked into
             raise APIError(400, "the request is nested too deeply; send plain values", code="invalid_value") from None
         return parsed
@@ -224,7 +279,10 @@ class API:
             raise APIError(400, f"unrecognized request argument(s): {names}; this server accepts "
                                 f"{', '.join(sorted(allowed | set(DEFAULT_ONLY)))}", param=unknown[0][:100],
                            code="unknown_parameter")
+        chat = "messages" in allowed
         for k, default in DEFAULT_ONLY.items():
+            if k in allowed:
+                continue
             v = body.get(k)
             if v is not None and v != default and not (k == "logit_bias" and v == {}) and not (
                     k == "logprobs" and v is False):
@@ -239,11 +297,13 @@ class API:
         if model != self.model_name:
             raise APIError(404, f"the model {_show(model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+        echo = not chat and _flag(body, "echo")
         key = max_tokens_key if body.get(max_tokens_key) is not None else "max_tokens"
         max_tokens = body.get(key)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 1):
-            raise _bad(key, f"{key} must be a positive integer, not {_show(max_tokens)}")
+                                       or max_tokens < (0 if echo else 1)):
+            raise _bad(key, f"{key} must be a positive integer (0 only with echo: the prompt alone), not "
+                            f"{_show(max_tokens)}")
         top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)
         sampling = RowSampling(
             temperature=float(_number(body, "temperature", 1.0, 0, 2)),
@@ -270,9 +330,50 @@ class API:
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise _bad("stream_options", "stream_options takes only include_usage (true or false)")
         include_usage = _flag(body, "include_usage", options)
-        _flag(body, "continuous_usage_stats", options)  # accepted; every stream's last chunk carries the usage
+        continuous = _flag(body, "continuous_usage_stats", options)  # vLLM's: the usage so far on every chunk
         token_ids = _flag(body, "return_token_ids")
-        return Parsed([], max_tokens, sampling, stop, stream, include_usage, token_ids)
+        n = body.get("n")
+        n = 1 if n is None else n
+        most = min(MAX_N, self.engine.num_slots)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+            raise _bad("n", f"n={_show(n)} must be an integer in [1, {most}] (choices a request may ask for: at most "
+                            f"{MAX_N}, and this server's {self.engine.num_slots} slots)")
+        logprobs = self._logprobs(body, chat)
+        stop_ids = body.get("stop_token_ids")
+        stop_ids = [] if stop_ids is None else stop_ids
+        vocab = self.engine.cfg.vocab_size
+        if (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids)):
+            raise _bad("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
+                                         f"[0, {vocab}), not {_show(stop_ids)}")
+        return Parsed([], max_tokens, sampling, stop, stream, include_usage, token_ids, n=n, logprobs=logprobs,
+                      echo=echo, stop_token_ids=frozenset(stop_ids), continuous_usage=continuous)
+
+    def _logprobs(self, body: dict, chat: bool) -> int | None:
+        """The number of top alternatives a request wants with each token's logprob (0 = the token's own only), or
+        None: chat's `logprobs: true` with `top_logprobs`, completions' `logprobs: k`."""
+        if chat:
+            want = _flag(body, "logprobs")
+            top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+            if top is not None and not want:
+                raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+            return (top or 0) if want else None
+        v = body.get("logprobs")
+        if v is None or v is False:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS:
+            raise _bad("logprobs", f"logprobs={_show(v)} must be an integer in [0, {MAX_LOGPROBS}] (the most likely "
+                                   "alternatives returned with each token)")
+        return v
+
+    def _grammar(self, response_format):
+        """The compiled grammar of a response_format (None for text), or a 400 that says what is wrong."""
+        try:
+            return self.grammars.compile(response_format)
+        except grammar_mod.GrammarUnavailable as e:
+            raise APIError(400, str(e), param="response_format", code="grammar_unavailable") from None
+        except grammar_mod.GrammarError as e:
+            raise _bad("response_format", str(e)) from None
 
     def _check_fit(self, parsed: Parsed, param: str) -> None:
         n = len(parsed.prompt)
@@ -285,7 +386,7 @@ class API:
                                     "tokens", param=param, code="context_length_exceeded")
             parsed.max_tokens = self.engine.max_length - n  # the rest of the slot
         try:
-            self.engine.check_fits(n, max(parsed.max_tokens, 1))
+            self.engine.check_fits(n, parsed.max_tokens, least=0)
         except ValueError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
 
@@ -350,13 +451,17 @@ class API:
             except RuntimeError:  # the loop is gone (server shutting down)
                 pass
 
-        req = Request(parsed.prompt, parsed.max_tokens, parsed.sampling, emit, parsed.stop)
+        req = Request(parsed.prompt, parsed.max_tokens, parsed.sampling, emit, parsed.stop, n=parsed.n,
+                      logprobs=parsed.logprobs is not None, score_prompt=parsed.score_prompt,
+                      stop_token_ids=parsed.stop_token_ids, grammar=parsed.grammar)
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
             raise APIError(503, str(e), type_="server_error", code="queue_full") from None
         except ShuttingDown:
             raise _shutting_down() from None
+        except ValueError as e:
+            raise _bad("n", str(e)) from None
         self.running[req.id] = req, events
         return req, events
 
@@ -379,29 +484,79 @@ class API:
         return APIError(ev.status, ev.message, type_="server_error")
 
     async def _collect(self, req: Request, events: asyncio.Queue) -> tuple[list[Event], Event]:
-        """All of a request's events up to `done`."""
-        deltas = []
+        """All of a request's events up to `end`."""
+        got = []
         while True:
             ev = await events.get()
-            if ev.kind == "delta":
-                deltas.append(ev)
-            elif ev.kind == "error":
+            if ev.kind == "error":
                 raise self._error(ev)
-            else:
-                return deltas, ev
+            if ev.kind == "end":
+                return got, ev
+            got.append(ev)
+
+    # -- logprobs -----------------------------------------------------------------------------------------------------
+
+    def _completion_logprobs(self, entries: list[tuple[int, Out | None]], k: int, offset: int = 0) -> dict:
+        """The legacy completions `logprobs` object for (token, score) pairs (a score of None: the prompt's first
+        token, which nothing predicts): tokens, token_logprobs, top_logprobs (the k most likely and the token
+        itself, by text), text_offset (from `offset`, by the tokens' text)."""
+        strings = self.token_strings()
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, score in entries:
+            text = strings[token]
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if score is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(score.logprob)
+            top: dict[str, float] = {}
+            for t, lp in score.top[:k]:
+                top.setdefault(strings[t], lp)
+            top.setdefault(text, score.logprob)
+            out["top_logprobs"].append(top)
+        return out
+
+    def _chat_logprobs(self, scores: list[Out], k: int) -> dict:
+        """The chat `logprobs` object: one content entry per token with its top_logprobs (k of them)."""
+        strings = self.token_strings()
+
+        def entry(token: int, logprob: float) -> dict:
+            text = strings[token]
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+        return {"content": [{**entry(o.token, o.logprob), "top_logprobs": [entry(t, lp) for t, lp in o.top[:k]]}
+                            for o in scores], "refusal": None}
+
+    def _prompt_entries(self, parsed: Parsed, scores: list[Out]) -> list[tuple[int, Out | None]]:
+        return [(parsed.prompt[0], None)] + [(o.token, o) for o in scores]
+
+    # -- answering ----------------------------------------------------------------------------------------------------
 
     def _stream(self, req: Request, events: asyncio.Queue, parsed: Parsed, chat: bool,
                 watcher: asyncio.Task) -> StreamingResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + req.id
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        k = parsed.logprobs
+        completion_tokens = 0
+        offsets = [0] * parsed.n  # text_offset so far, per choice
+
+        def usage() -> dict:
+            p = len(parsed.prompt)
+            return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
         def chunk(choices: list, **extra) -> str:
+            if parsed.continuous_usage and "usage" not in extra:
+                extra["usage"] = usage()
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                           "choices": choices, **extra}) + "\n\n"
 
-        def choice(text: str | None, finish: str | None, ids: list[int] | None = None, role: bool = False) -> dict:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        def choice(index: int, text: str | None, finish: str | None, ids: list[int] | None = None,
+                   role: bool = False, entries: list | None = None) -> dict:
+            c: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
             if chat:
                 delta: dict[str, Any] = {}
                 if role:
@@ -409,35 +564,90 @@ class API:
                 if text is not None:
                     delta["content"] = text
                 c["delta"] = delta
+                if k is not None and entries:
+                    c["logprobs"] = self._chat_logprobs([o for _, o in entries], k)
             else:
                 c["text"] = text or ""
+                if k is not None and entries:
+                    c["logprobs"] = self._completion_logprobs(entries, k, offsets[index])
+                    offsets[index] = c["logprobs"]["text_offset"][-1] + len(c["logprobs"]["tokens"][-1])
             if parsed.token_ids and ids is not None:
                 c["token_ids"] = ids
             return c
 
         async def body() -> AsyncIterator[str]:
+            nonlocal completion_tokens
             try:
-                if chat:
-                    yield chunk([choice("", None, role=True)])
+                for i in range(parsed.n):
+                    if chat:
+                        yield chunk([choice(i, "", None, role=True)])
+                    elif parsed.echo and not parsed.score_prompt:
+                        yield chunk([choice(i, parsed.prompt_text, None)])
                 while True:
                     ev = await events.get()
-                    if ev.kind == "delta":
-                        yield chunk([choice(ev.text, None, ev.token_ids)])
+                    if ev.kind == "delta" and ev.prompt is not None:  # the scored prompt, echoed
+                        yield chunk([choice(ev.index, parsed.prompt_text, None,
+                                            entries=self._prompt_entries(parsed, ev.prompt))])
+                    elif ev.kind == "delta":
+                        completion_tokens += len(ev.token_ids)
+                        entries = None if ev.logprobs is None else [(o.token, o) for o in ev.logprobs]
+                        yield chunk([choice(ev.index, ev.text, None, ev.token_ids, entries=entries)])
+                    elif ev.kind == "done":
+                        yield chunk([choice(ev.index, None if chat else "", ev.finish_reason, [])])
                     elif ev.kind == "error":
                         yield "data: " + json.dumps(self._error(ev).body()) + "\n\n"
                         break
-                    else:
-                        yield chunk([choice(None if chat else "", ev.finish_reason, [])])
+                    else:  # end
                         if parsed.include_usage:
                             yield chunk([], usage=ev.usage)
                         break
                 yield "data: [DONE]\n\n"
             finally:
                 watcher.cancel()
-                self._end(req)  # frees the slot if the client went away
+                self._end(req)  # frees the slots if the client went away
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _answer(self, req: Request, parsed: Parsed, chat: bool, got: list[Event], end: Event) -> dict:
+        """The non-streamed response from all of a request's events."""
+        k = parsed.logprobs
+        choices = []
+        for i in range(parsed.n):
+            mine = [ev for ev in got if ev.index == i]
+            deltas = [ev for ev in mine if ev.kind == "delta" and ev.prompt is None]
+            prompt = next((ev.prompt for ev in mine if ev.prompt is not None), None)
+            done = next(ev for ev in mine if ev.kind == "done")
+            text = "".join(d.text for d in deltas)
+            scores = [o for d in deltas for o in (d.logprobs or [])]
+            choice: dict[str, Any] = {"index": i, "finish_reason": done.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                if k is not None:
+                    choice["logprobs"] = self._chat_logprobs(scores, k)
+            else:
+                choice["text"] = (parsed.prompt_text if parsed.echo else "") + text
+                if k is not None:
+                    entries = self._prompt_entries(parsed, prompt) if parsed.score_prompt else []
+                    choice["logprobs"] = self._completion_logprobs(entries + [(o.token, o) for o in scores], k)
+            if parsed.token_ids:
+                choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+            choices.append(choice)
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": end.usage}
+
+    def _prompt_only(self, parsed: Parsed) -> dict:
+        """echo with max_tokens 0 and no logprobs: the prompt back, nothing computed."""
+        p = len(parsed.prompt)
+        choices = [{"index": i, "text": parsed.prompt_text, "finish_reason": "length", "logprobs": None}
+                   for i in range(parsed.n)]
+        if parsed.token_ids:
+            for c in choices:
+                c["token_ids"] = []
+        return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p}}
 
     async def completions(self, http: HTTPRequest, chat: bool):
         req = watcher = None
@@ -447,29 +657,33 @@ class API:
                 raise _shutting_down()
             raw = await self._unless_draining(self._read_body(http))
             parsed = await asyncio.to_thread(self.parse, raw, chat)
+            if parsed.max_tokens == 0 and not parsed.score_prompt:
+                answer = self._prompt_only(parsed)
+                if not parsed.stream:
+                    return answer
+                return StreamingResponse(self._stream_answer(answer, parsed), media_type="text/event-stream")
             req, events = self._submit(parsed)
             watcher = asyncio.create_task(self._cancel_on_disconnect(http, req, events))
             if parsed.stream:
                 streaming = True
                 return self._stream(req, events, parsed, chat, watcher)
-            deltas, done = await self._collect(req, events)
+            got, end = await self._collect(req, events)
         except APIError as e:
             return e.response()
         finally:
             if req is not None and not streaming:
                 watcher.cancel()
                 self._end(req)
-        text = "".join(d.text for d in deltas)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if parsed.token_ids:
-            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
-        return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
-                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice], "usage": done.usage}
+        return await asyncio.to_thread(self._answer, req, parsed, chat, got, end)
+
+    async def _stream_answer(self, answer: dict, parsed: Parsed) -> AsyncIterator[str]:
+        """A complete answer as one chunk (and its usage when asked), then [DONE]."""
+        usage = answer.pop("usage")
+        extra = {"usage": usage} if parsed.continuous_usage else {}
+        yield "data: " + json.dumps({**answer, **extra}) + "\n\n"
+        if parsed.include_usage:
+            yield "data: " + json.dumps({**answer, "choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
 
     # -- shutting down ------------------------------------------------------------------------------------------------
 

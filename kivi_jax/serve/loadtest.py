@@ -28,16 +28,23 @@ PROMPTS = (
     "How many legs does a spider have?",
 )
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# --response-format json_schema: every answer held to this schema (structured output's cost against free text)
+BENCH_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
+                "required": ["answer", "confidence"]}
+RESPONSE_FORMATS = {"text": None, "json_object": {"type": "json_object"},
+                    "json_schema": {"type": "json_schema", "json_schema": {"name": "answer", "schema": BENCH_SCHEMA}}}
 
 
 def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def stream_one(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, response_format: str = "text") -> dict:
     """One streaming chat request; returns its send time, chunk arrival times and output tokens."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if RESPONSE_FORMATS[response_format] is not None:
+        body["response_format"] = RESPONSE_FORMATS[response_format]
     t0 = time.perf_counter()
     arrivals, tokens, status = [], 0, None
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -62,7 +69,8 @@ def _pct(values, q) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 2) if len(values) else None
 
 
-def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: int, time_limit: float) -> dict:
+def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: int, time_limit: float,
+              response_format: str = "text") -> dict:
     """`clients` threads, each sending up to `per_client` requests (stopping at `time_limit` seconds)."""
     import httpx
 
@@ -75,7 +83,8 @@ def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: i
             for k in range(per_client):
                 if time.perf_counter() - t_start > time_limit:
                     return
-                r = stream_one(http, url, model, PROMPTS[(c * per_client + k) % len(PROMPTS)], max_tokens)
+                r = stream_one(http, url, model, PROMPTS[(c * per_client + k) % len(PROMPTS)], max_tokens,
+                               response_format)
                 with lock:
                     results.append(r)
 
@@ -113,7 +122,8 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
 
     try:
         with httpx.Client(timeout=3600) as http:
-            first = stream_one(http, url, model, PROMPTS[0], args.max_tokens)  # compiles what a request needs
+            first = stream_one(http, url, model, PROMPTS[0], args.max_tokens,  # compiles what a request needs
+                               args.response_format)
     except httpx.HTTPError as e:
         raise RuntimeError(f"cannot reach a server at {url} ({type(e).__name__}: {e}); start one with kivi-jax serve "
                            "or leave out --url") from None
@@ -122,7 +132,8 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
     for clients in args.clients:
         if engine is not None:
             engine.peak_live = 0
-        row = run_level(url, model, clients, args.requests_per_client, args.max_tokens, args.time_limit)
+        row = run_level(url, model, clients, args.requests_per_client, args.max_tokens, args.time_limit,
+                        args.response_format)
         row["peak_live_slots"] = engine.peak_live if engine is not None else peak_live_from_metrics(url)
         row["cache"] = label
         _log(f"{label}: {clients} clients: {row['ok']} requests in {row['seconds']} s, "
@@ -181,6 +192,9 @@ def add_serve_bench(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens a request (default 16)")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="seconds a client-count level may start requests for (default 300)")
+    p.add_argument("--response-format", choices=sorted(RESPONSE_FORMATS), default="text",
+                   help="hold every answer to JSON (json_object) or to a fixed schema (json_schema), to measure "
+                        "structured output's cost (needs the grammar extra); default text")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot")
     p.set_defaults(func=cmd_bench_serve)
@@ -197,7 +211,8 @@ def cmd_bench_serve(args) -> int:
         raise ValueError("--requests-per-client and --max-tokens must be at least 1, and at most 256 clients")
     model_name = args.served_model_name or args.model
     out = {"device": bench.device_name(), "model": args.model, "clients": args.clients,
-           "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens, "prompts": list(PROMPTS)}
+           "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens, "prompts": list(PROMPTS),
+           "response_format": RESPONSE_FORMATS[args.response_format]}
     rows, servers = [], {}
     if args.url:
         host = urlparse(args.url).hostname

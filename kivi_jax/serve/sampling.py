@@ -77,3 +77,46 @@ def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's key `[batch, 2]` -> (its next key, the subkey to sample with), as `generate` splits its key."""
     pairs = jax.vmap(jax.random.split)(keys)  # [batch, 2, 2]
     return pairs[:, 0], pairs[:, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Token masks (structured output) and log-probabilities
+
+MAX_LOGPROBS = 20  # the most top alternatives a request may ask for (vLLM's default bound; OpenAI's chat allows 20)
+
+
+def bitmask_width(vocab: int) -> int:
+    """int32 words a row of a token bitmask takes: bit `t % 32` of word `t // 32` allows token t."""
+    return -(-vocab // 32)
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.Array) -> jax.Array:
+    """Logits `[batch, vocab]` with the tokens a constrained row's bitmask `[batch, words]` int32 forbids at -inf;
+    rows with `constrained [batch]` False are left as they are (and nothing runs when no row is constrained)."""
+    vocab = logits.shape[-1]
+
+    def masked():
+        ids = jnp.arange(vocab, dtype=jnp.int32)
+        words = jnp.take(bitmask, ids // 32, axis=1)  # [batch, vocab]
+        allowed = (jax.lax.shift_right_logical(words, jnp.broadcast_to(ids % 32, words.shape)) & 1).astype(bool)
+        return jnp.where(allowed | ~constrained[:, None], logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(constrained), masked, lambda: logits)
+
+
+def token_logprobs(logits: jax.Array, chosen: jax.Array, wanted: jax.Array):
+    """The model's log-probabilities (log-softmax of the raw logits `[batch, vocab]`: before temperature, cuts and
+    masks) of `chosen [batch]` and the MAX_LOGPROBS most likely tokens of each row, most likely first: `(logprob
+    [batch], top ids [batch, K] int32, top logprobs [batch, K])`. Zeros unless some row is `wanted [batch]`."""
+    batch = logits.shape[0]
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def compute():
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logp, k)
+        return jnp.take_along_axis(logp, chosen[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    def skip():
+        return jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, k), jnp.int32), jnp.zeros((batch, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip)

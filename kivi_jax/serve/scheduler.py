@@ -20,7 +20,7 @@ import traceback
 import uuid
 from typing import Callable
 
-from kivi_jax.serve.engine import Engine
+from kivi_jax.serve.engine import Engine, Out
 from kivi_jax.serve.sampling import RowSampling
 
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is averaged
@@ -41,41 +41,77 @@ SHUTTING_DOWN = "the server is shutting down; retry on another server or after i
 
 @dataclasses.dataclass
 class Event:
-    """What a request's `emit` receives: `delta` (new text and token ids), then one `done` (or `error`)."""
+    """What a request's `emit` receives: per choice (`index`) `delta`s (new text and token ids, with their scores when
+    logprobs were asked for; an echo's scored prompt as `prompt`) and one `done` (its finish reason), then one `end`
+    (the usage), or one `error`."""
 
-    kind: str  # "delta" | "done" | "error"
+    kind: str  # "delta" | "done" | "end" | "error"
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     usage: dict | None = None
     message: str = ""
     status: int = 500  # of an error: 500 the engine failed, 503 the server is shutting down
+    index: int = 0  # the choice
+    logprobs: list[Out] | None = None  # one per token id of this delta, when asked for
+    prompt: list[Out] | None = None  # the prompt's scores (its tokens after the first), once all are known
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed`: `(seed + index) mod 2**31` (so choice i of a
+    seeded request draws what a request of n = 1 with that seed draws); None stays None (each choice random)."""
+    return None if seed is None else (seed + index) % (1 << 31)
+
+
+@dataclasses.dataclass
+class Choice:
+    """One of a request's n answers: its own slot, key chain, tokens, text and grammar state."""
+
+    index: int
+    sampling: RowSampling
+    generated: list[int] = dataclasses.field(default_factory=list)
+    scores: list[Out] = dataclasses.field(default_factory=list)  # one per generated token (with logprobs)
+    prompt_scores: list[Out] = dataclasses.field(default_factory=list)  # score_prompt: one per prompt token after the first
+    text: str = ""  # the text so far (stop-truncated once finished)
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    finish_reason: str | None = None
+    slot: int | None = None
 
 
 @dataclasses.dataclass
 class Request:
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int  # 0 only with score_prompt: the prompt is scored and nothing generated
     sampling: RowSampling
     emit: Callable[[Event], None]
     stop: tuple[str, ...] = ()
+    n: int = 1  # choices: the prompt prefilled once, each choice in its own slot (choice_seed for its seed)
+    logprobs: bool = False  # every token's logprob and top alternatives
+    score_prompt: bool = False  # echo with logprobs: the prompt's own tokens scored (kivi_jax.serve.engine)
+    stop_token_ids: frozenset[int] = frozenset()  # end a choice like an EOS (not part of its text)
+    grammar: object = None  # kivi_jax.serve.grammar.Grammar: each choice's output held to it
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""  # the text so far (stop-truncated once finished)
-    sent_chars: int = 0
-    sent_tokens: int = 0
-    finish_reason: str | None = None
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    slot: int | None = None
+    choices: list[Choice] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.choices:
+            self.choices = [Choice(i, dataclasses.replace(self.sampling, seed=choice_seed(self.sampling.seed, i)))
+                            for i in range(self.n)]
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
     def usage(self) -> dict:
-        p, c = len(self.prompt), len(self.generated)
+        p, c = len(self.prompt), sum(len(ch.generated) for ch in self.choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -109,7 +145,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()  # at most max_queue, oldest first
         self._waiting_changed = threading.Condition()  # guards `waiting` and `draining`
         self.draining = False
-        self.active: dict[int, Request] = {}
+        self.active: dict[int, tuple[Request, Choice]] = {}  # slot -> its request and choice
         # every key exists from the start, so the HTTP thread can read while the loop counts (no dict resizes)
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._counters_lock = threading.Lock()  # both threads count (cancellations, rejections)
@@ -126,7 +162,9 @@ class Scheduler:
     def submit(self, req: Request) -> Request:
         """Queues `req`; ValueError if it cannot fit a slot, QueueFull (at once) past the queue bound, ShuttingDown
         once `drain` was called."""
-        self.engine.check_fits(len(req.prompt), req.max_tokens)
+        self.engine.check_fits(len(req.prompt), req.max_tokens, least=0 if req.score_prompt else 1)
+        if not 1 <= req.n <= self.engine.num_slots:
+            raise ValueError(f"n={req.n} choices need as many slots; this server has {self.engine.num_slots}")
         with self._waiting_changed:
             if self.draining:
                 raise ShuttingDown(SHUTTING_DOWN)
@@ -227,31 +265,40 @@ class Scheduler:
                         self._iteration()
             except Exception:  # noqa: BLE001 (the server must keep serving; each active request hears why)
                 self.error = traceback.format_exc()
-                for slot, req in list(self.active.items()):
-                    self._fail(req, f"the engine failed: {self.error.strip().splitlines()[-1]}")
+                failed = set()
+                for slot, (req, _) in list(self.active.items()):
+                    if req.id not in failed:
+                        failed.add(req.id)
+                        self._fail(req, f"the engine failed: {self.error.strip().splitlines()[-1]}")
                     with contextlib.suppress(Exception):
                         self.engine.free(slot)
                 self.active.clear()
 
     def _iteration(self) -> None:
-        for slot, req in list(self.active.items()):
+        for slot, (req, _) in list(self.active.items()):
             if req.cancelled.is_set():
                 del self.active[slot]
-                self.count("requests_cancelled")  # before the slot shows free
+                if not any(r is req for r, _ in self.active.values()):
+                    self.count("requests_cancelled")  # before the slot shows free
                 self.engine.free(slot)
         self._admit(block=not self.active)
         if not self.active:
             return
-        out = self.engine.step()
-        self._count_tokens(len(out))
-        for slot, token in out.items():
-            self._on_token(self.active[slot], slot, token)
+        out = self.engine.step_scored()
+        self._count_tokens(sum(not o.prompt for o in out.values()))
+        for slot, o in out.items():
+            if slot in self.active:  # a choice finished in this loop leaves its slot
+                req, choice = self.active[slot]
+                self._on_token(req, choice, slot, o)
 
     def _next_waiting(self, block: bool) -> Request | None:
+        """The oldest waiting request if enough slots are not live for its choices (it keeps its place if not)."""
         with self._waiting_changed:
             if block and not self.waiting:
                 self._waiting_changed.wait(0.05)
-            return self.waiting.popleft() if self.waiting else None
+            if self.waiting and self.engine.has_free_slot(self.waiting[0].n):
+                return self.waiting.popleft()
+            return None
 
     def _admit(self, block: bool) -> None:
         while self.engine.has_free_slot():
@@ -263,14 +310,23 @@ class Scheduler:
                 self.count("requests_cancelled")
                 continue
             try:
-                slot, token = self.engine.admit(req.prompt, req.sampling)
+                constraints = None if req.grammar is None else [req.grammar.matcher() for _ in req.choices]
+                admitted = self.engine.admit_choices(req.prompt, [c.sampling for c in req.choices],
+                                                     score_prompt=req.score_prompt, logprobs=req.logprobs,
+                                                     constraints=constraints)
             except (ValueError, OverflowError) as e:  # this request's own values; checked before queueing, but a
                 self._fail(req, str(e))               # direct caller can still get here
                 continue
-            self.active[slot] = req
-            req.slot = slot
-            self._count_tokens(1)
-            self._on_token(req, slot, token)
+            for choice, slot, first in zip(req.choices, admitted.slots, admitted.first):
+                self.active[slot] = req, choice
+                choice.slot = slot
+                if req.score_prompt:
+                    choice.prompt_scores = list(admitted.prompt_scores)
+                    if len(choice.prompt_scores) == len(req.prompt) - 1:
+                        self._prompt_scored(req, choice, slot)
+                if first is not None and choice.finish_reason is None:
+                    self._count_tokens(1)
+                    self._on_token(req, choice, slot, first)
 
     def _fail(self, req: Request, message: str, status: int = 500) -> None:
         self.count("requests_failed")
@@ -282,35 +338,54 @@ class Scheduler:
         with self.tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _on_token(self, req: Request, slot: int, token: int) -> None:
+    def _prompt_scored(self, req: Request, choice: Choice, slot: int) -> None:
+        """Every prompt token of the choice has its score: hand them over; with max_tokens 0 the choice is done."""
+        req.emit(Event("delta", index=choice.index, prompt=choice.prompt_scores))
+        if req.max_tokens == 0:
+            self._finish(req, choice, slot, "length")
+
+    def _on_token(self, req: Request, choice: Choice, slot: int, out: Out) -> None:
+        if out.prompt:
+            choice.prompt_scores.append(out)
+            if len(choice.prompt_scores) == len(req.prompt) - 1:
+                self._prompt_scored(req, choice, slot)
+            return
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
-        req.generated.append(token)
+        token = out.token
+        choice.generated.append(token)
+        if req.logprobs:
+            choice.scores.append(out)
         finish = None
-        if token in self.engine.eos:
+        if token in self.engine.eos or token in req.stop_token_ids:
             finish = "stop"
-            text = self._decode(req.generated[:-1])
+            text = self._decode(choice.generated[:-1])
         else:
-            text = self._decode(req.generated)
+            text = self._decode(choice.generated)
         hits = [i for i in (text.find(s) for s in req.stop) if i >= 0]
         if hits:
             finish, text = "stop", text[: min(hits)]
-        if finish is None and len(req.generated) >= req.max_tokens:
+        if finish is None and len(choice.generated) >= req.max_tokens:
             finish = "length"
-        req.text = text
+        choice.text = text
         end = len(text) if finish else len(text) - held_back(text, req.stop)
-        ids = req.generated[req.sent_tokens :]
-        if end > req.sent_chars or ids:
-            req.emit(Event("delta", text=text[req.sent_chars : max(end, req.sent_chars)], token_ids=ids))
-            req.sent_chars, req.sent_tokens = max(end, req.sent_chars), len(req.generated)
+        ids = choice.generated[choice.sent_tokens :]
+        if end > choice.sent_chars or ids:
+            scores = choice.scores[choice.sent_tokens :] if req.logprobs else None
+            req.emit(Event("delta", text=text[choice.sent_chars : max(end, choice.sent_chars)], token_ids=ids,
+                           index=choice.index, logprobs=scores))
+            choice.sent_chars, choice.sent_tokens = max(end, choice.sent_chars), len(choice.generated)
         if finish:
-            req.finish_reason = finish
-            del self.active[slot]
-            self.engine.finish(slot, hold=self.hold_prefixes)
+            self._finish(req, choice, slot, finish)
+
+    def _finish(self, req: Request, choice: Choice, slot: int, reason: str) -> None:
+        choice.finish_reason = reason
+        del self.active[slot]
+        self.engine.finish(slot, hold=self.hold_prefixes)
+        req.emit(Event("done", finish_reason=reason, index=choice.index))
+        if req.finished:
             self.count("requests_finished")
             self.count("prompt_tokens", len(req.prompt))
-            self.count("completion_tokens", len(req.generated))
-            req.emit(Event("done", finish_reason=finish, usage=req.usage))
-
-
+            self.count("completion_tokens", req.usage["completion_tokens"])
+            req.emit(Event("end", usage=req.usage))

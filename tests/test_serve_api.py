@@ -1,0 +1,252 @@
+"""kivi-jax serve's tool-facing API: logprobs and echo against `kivi_jax.evaluate`'s teacher-forced log-probabilities,
+n choices from one prefill with per-choice seeds, structured output through a grammar, stop token ids, usage on every
+stream chunk, seeds across a restart.
+
+The live server of tests/test_serve.py (its fixtures: a tiny random model, a KIVI cache with a residual of 16 tokens
+so that prompts cross several quantized blocks), one for this module; the compiled functions are shared.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+import kivi_jax
+from kivi_jax.evaluate import teacher_forced
+from kivi_jax.serve.scheduler import choice_seed
+from test_serve import MAX_LENGTH, MODEL, SPEC, build, client, model, prompts, reference, served, token_ids  # noqa: F401
+
+openai = pytest.importorskip("openai")
+
+COMPLETIONS = "/v1/completions"
+SCORED = 70  # prompt tokens scored: 16 prefilled (the ring), the rest one a step across three quantized blocks
+P = 2  # the prefill of kivi-jax eval's protocol (tokens it does not score one a step)
+
+
+def post(url: str, body: dict, path: str = COMPLETIONS) -> httpx.Response:
+    return httpx.post(url + path, json={"model": MODEL, **body}, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# logprobs and echo
+
+
+@pytest.fixture(scope="module")
+def scored_prompt():
+    return prompts(21, [SCORED])[0]
+
+
+@pytest.mark.parametrize("spec", [SPEC, "full"])
+def test_echo_logprobs_are_the_teacher_forced_logprobs_through_the_cache(model, served, scored_prompt, spec):
+    """echo + logprobs + max_tokens 0 (what lm-evaluation-harness sends for log-likelihoods) gives, for every prompt
+    token after the first, the log-probability `kivi_jax.evaluate.teacher_forced` gives it through the same cache."""
+    server, url = served
+    tokens = scored_prompt
+    if spec == SPEC:
+        r = post(url, {"prompt": tokens, "echo": True, "logprobs": 3, "max_tokens": 0})
+        assert r.status_code == 200, r.text[:300]
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == SCORED
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first token: no prediction
+        got = np.array(lp["token_logprobs"][1:])
+    else:  # the full cache: the engine alone (the module's server holds a KIVI cache)
+        from kivi_jax.serve.engine import Engine
+        from kivi_jax.serve.sampling import RowSampling
+
+        eng = Engine(model.params, "full", slots=1, max_length=MAX_LENGTH, prefill_chunk=64)
+        admitted = eng.admit_choices(tokens, [RowSampling(0.0)], score_prompt=True, logprobs=True)
+        assert eng.counters["decode_steps"] == 0  # the full cache: the whole prompt scored by its prefill
+        got = np.array([o.logprob for o in admitted.prompt_scores])
+        assert [o.token for o in admitted.prompt_scores] == tokens[1:]
+    ref = teacher_forced(model.params, np.asarray([tokens]), P, spec)
+    want = -ref["nll"][0]  # tokens P + 1 .. end
+    np.testing.assert_allclose(got[P:], want, atol=1e-4, rtol=0)
+    assert np.abs(got[P:] - want).max() <= 1e-4
+    if spec == SPEC:
+        full = -teacher_forced(model.params, np.asarray([tokens]), P, "full")["nll"][0]
+        assert np.abs(full - want)[16:].max() > 1e-3  # the quantized blocks change the numbers: they are read
+
+
+def test_top_logprobs_are_sorted_and_hold_the_greedy_token(model, served, client):
+    _, url = served
+    p = prompts(22, [9])[0]
+    ref = reference(model, p, 8, stop_at_eos=False)
+    r = post(url, {"prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 4, "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == ref.token_ids  # logprobs change nothing of what is drawn
+    lp = choice["logprobs"]
+    strings = [model.tokenizer.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert lp["tokens"] == strings
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and 4 <= len(top) <= 5
+        assert next(iter(top)) == token and top[token] == logprob  # greedy: the most likely one
+        assert logprob <= 0
+    assert lp["text_offset"] == list(np.cumsum([0] + [len(s) for s in strings[:-1]]))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) .startswith(chat.choices[0].message.content)
+    for c in content:
+        values = [t.logprob for t in c.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+        assert c.bytes == list(c.token.encode())
+    # streamed: the same numbers, a delta at a time
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "abc"}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                                 stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
+def test_echo_with_generation_and_the_lm_eval_request(served, scored_prompt):
+    """lm-eval's local-completions sends token ids, echo, logprobs 1 and max_tokens 1, and reads
+    token_logprobs[ctxlen:-1] and whether each is the top one."""
+    _, url = served
+    tokens = scored_prompt[:30]
+    alone = post(url, {"prompt": tokens, "echo": True, "logprobs": 1, "max_tokens": 0}).json()["choices"][0]
+    r = post(url, {"prompt": [tokens], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+                   "seed": 1234}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(tokens) + 1 and r["usage"]["completion_tokens"] == 1
+    assert lp["token_logprobs"][:-1] == alone["logprobs"]["token_logprobs"]
+    ctxlen = 20
+    cont = lp["token_logprobs"][ctxlen:-1]
+    is_greedy = all(t == max(top.values()) for t, top in zip(cont, lp["top_logprobs"][ctxlen:-1]))
+    assert is_greedy == all(next(iter(top)) == tok for tok, top in zip(lp["tokens"][ctxlen:-1],
+                                                                      lp["top_logprobs"][ctxlen:-1]))
+    # the generated token is the greedy one after the prompt: the top entry of the last position
+    assert next(iter(lp["top_logprobs"][-1])) == lp["tokens"][-1]
+    # echo without logprobs: the prompt's text first; with max_tokens 0 nothing runs
+    text = post(url, {"prompt": "abc", "echo": True, "max_tokens": 0}).json()
+    assert text["choices"][0]["text"] == "abc" and text["usage"] == {"prompt_tokens": 3, "completion_tokens": 0,
+                                                                      "total_tokens": 3}
+    more = post(url, {"prompt": "abc", "echo": True, "max_tokens": 3, "temperature": 0}).json()
+    plain = post(url, {"prompt": "abc", "max_tokens": 3, "temperature": 0}).json()
+    assert more["choices"][0]["text"] == "abc" + plain["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# n choices
+
+
+def test_n_choices_prefill_once_and_each_equals_a_request_with_its_seed(served):
+    server, url = served
+    p = prompts(23, [13])[0]
+    before = server.engine.counters["prefill_tokens_computed"]
+    body = {"prompt": p, "max_tokens": 10, "temperature": 0.9, "top_k": 30, "seed": 77, "return_token_ids": True}
+    r = post(url, {**body, "n": 4}).json()
+    assert server.engine.counters["prefill_tokens_computed"] - before == len(p)  # the prompt prefilled once
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    got = [c["token_ids"] for c in r["choices"]]
+    assert len({tuple(g) for g in got}) > 1  # four chains, not one
+    for i, ids in enumerate(got):
+        single = post(url, {**body, "seed": choice_seed(77, i)}).json()["choices"][0]
+        assert single["token_ids"] == ids, i
+    assert r["usage"]["completion_tokens"] == sum(len(g) for g in got)
+    assert r["usage"]["prompt_tokens"] == len(p)
+    greedy = post(url, {"prompt": p, "max_tokens": 10, "temperature": 0, "n": 2, "return_token_ids": True}).json()
+    a, b = greedy["choices"]
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+    # streamed: chunks carry their choice's index; each choice's text is the non-streamed one
+    with httpx.stream("POST", url + COMPLETIONS, json={"model": MODEL, **body, "n": 4, "stream": True},
+                      timeout=120) as s:
+        texts = ["", "", "", ""]
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in r["choices"]]
+
+
+def test_seeded_choices_are_the_same_after_a_restart(model, served):
+    from kivi_jax.serve.http import ServerThread
+
+    _, url = served
+    body = {"prompt": prompts(24, [7])[0], "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2,
+            "return_token_ids": True}
+    first = [c["token_ids"] for c in post(url, body).json()["choices"]]
+    again = build(model)  # a new engine, scheduler and app: nothing of the first survives
+    with ServerThread(again.app) as thread:
+        second = [c["token_ids"] for c in post(thread.url, body).json()["choices"]]
+    assert second == first
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Structured output, stop token ids, usage
+
+
+SCHEMA = {"type": "array", "items": {"type": "string", "enum": ["ab", "cd"]}, "minItems": 1, "maxItems": 3}
+
+
+def valid(value) -> bool:
+    """`value` validates against SCHEMA."""
+    return isinstance(value, list) and 1 <= len(value) <= 3 and all(v in ("ab", "cd") for v in value)
+
+
+def test_json_schema_output_validates_and_a_bad_schema_is_a_400(served, client):
+    pytest.importorskip("xgrammar")
+    _, url = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "pairs", "schema": SCHEMA}}
+    for p in (prompts(25, [5])[0], prompts(26, [12])[0]):
+        free = post(url, {"prompt": p, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"]
+        r = post(url, {"prompt": p, "max_tokens": 40, "temperature": 0, "response_format": fmt}).json()
+        text = r["choices"][0]["text"]
+        assert valid(json.loads(text)), (text, free)
+        assert r["choices"][0]["finish_reason"] == "stop"  # the grammar was complete: the EOS ended it
+    sampled = post(url, {"prompt": p, "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 2,
+                         "response_format": fmt}).json()
+    for c in sampled["choices"]:
+        assert valid(json.loads(c["text"])), c["text"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "list"}], max_tokens=40,
+                                          temperature=0, response_format=fmt)
+    assert valid(json.loads(chat.choices[0].message.content))
+    for bad, words in ((SCHEMA | {"type": "arrayy"}, "cannot be compiled"),
+                       ({"type": "object", "properties": 5}, "cannot be compiled")):
+        r = post(url, {"prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema",
+                                                                           "json_schema": {"name": "b", "schema": bad}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text[:300]
+        assert words in r.json()["error"]["message"]
+    for fmt_bad in ({"type": "yaml"}, {"type": "json_schema"}, "json"):
+        r = post(url, {"prompt": "x", "max_tokens": 4, "response_format": fmt_bad})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+
+
+def test_response_format_without_the_grammar_extra_is_a_clear_400(served, monkeypatch):
+    from kivi_jax.serve import grammar
+
+    def missing():
+        raise grammar.GrammarUnavailable("response_format needs the grammar extra (xgrammar), which is not installed; "
+                                         f"install it: {grammar.GRAMMAR_EXTRA}")
+
+    monkeypatch.setattr(grammar, "_xgrammar", missing)
+    r = post(served[1], {"prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_unavailable"
+    assert "kivi-jax[grammar]" in r.json()["error"]["message"]
+    ok = post(served[1], {"prompt": "x", "max_tokens": 2, "response_format": {"type": "text"}})
+    assert ok.status_code == 200
+
+
+def test_stop_token_ids_and_usage_on_every_chunk(model, served):
+    _, url = served
+    p = prompts(27, [6])[0]
+    ref = reference(model, p, 12, stop_at_eos=False).token_ids
+    at = next(i for i in range(2, 12) if ref[i] not in ref[:i] and ref[i] not in model.config.eos_token_ids)
+    r = post(url, {"prompt": p, "max_tokens": 12, "temperature": 0, "stop_token_ids": [ref[at]],
+                   "return_token_ids": True}).json()["choices"][0]
+    assert r["token_ids"] == ref[: at + 1] and r["finish_reason"] == "stop"
+    assert r["text"] == model.tokenizer.decode(ref[:at], skip_special_tokens=True)  # the stop token is not text
+    body = {"prompt": p, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", url + COMPLETIONS, json={"model": MODEL, **body}, timeout=120) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in c for c in chunks)
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert used == sorted(used) and used[-1] == 5 and chunks[-1]["choices"] == []
+    assert all(c["usage"]["prompt_tokens"] == len(p) for c in chunks)
