@@ -1,4 +1,4 @@
-"""kivi_jax: Llama / Mistral inference in JAX with a KIVI-quantized KV cache (2/4-bit keys and values)."""
+"""kivi_jax: Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 inference in JAX with a KIVI-quantized KV cache (2/4-bit keys and values)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from kivi_jax.checkpoint import CheckpointError, convert, restore, save
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.generate import Generation, Model, Sampling, generate, stream
 from kivi_jax.hub import MODELS, ModelNotAvailableError
-from kivi_jax.models.config import LlamaConfig, UnsupportedModelError
-from kivi_jax.models.llama import Params, forward
+from kivi_jax.models.config import LlamaConfig, ModelConfig, UnsupportedModelError
+from kivi_jax.models.decoder import Params, forward
 
 __version__ = "0.1.0"
 
@@ -78,6 +78,7 @@ __all__ = [
     "KIVICache",
     "KIVIConfig",
     "LlamaConfig",
+    "ModelConfig",
     "MODELS",
     "Model",
     "ModelNotAvailableError",

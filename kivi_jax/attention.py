@@ -115,8 +115,11 @@ def stored_mask(pos: jax.Array, begin, end: jax.Array, rows: Rows, window: int |
     return ok
 
 
-def masked(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    """Scores `[batch, kv_heads, rows, tokens]` with invalid tokens (`valid [batch, rows or 1, tokens]`) at -inf."""
+def masked(scores: jax.Array, valid: jax.Array, softcap: float | None = None) -> jax.Array:
+    """Scores `[batch, kv_heads, rows, tokens]` soft-capped (`cap * tanh(s / cap)`, Gemma 2; None: as they are), with
+    invalid tokens (`valid [batch, rows or 1, tokens]`) at -inf."""
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     return jnp.where(valid[:, None], scores, -jnp.inf)
 
 
@@ -149,7 +152,8 @@ def dense_values(p: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
-               num_new: jax.Array, window: int | None, block: int = BLOCK_TOKENS) -> Softmax:
+               num_new: jax.Array, window: int | None, block: int = BLOCK_TOKENS,
+               softcap: float | None = None) -> Softmax:
     """Adds the new tokens themselves, causally, in full precision: k_new, v_new `[batch, T, kv_heads, head_dim]` at
     `positions [batch, T]`, of which the first `num_new [batch]` are real."""
     tokens = k_new.shape[1]
@@ -165,7 +169,7 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
         ok = layout.visible(pos, rows.pos, window)  # [batch, rows, block]
         ok &= ((idx[None, :] < num_new[:, None]) & (idx[None, :] >= first_new))[:, None, :]
         scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
-        return state.update(masked(scores, ok), lambda p: dense_values(p, vb))
+        return state.update(masked(scores, ok, softcap), lambda p: dense_values(p, vb))
 
     if block == tokens:  # one block: no loop
         return step(state, 0, 0)
@@ -177,10 +181,11 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
 
 
 def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
-                    block: int = BLOCK_TOKENS) -> jax.Array:
+                    block: int = BLOCK_TOKENS, softcap: float | None = None) -> jax.Array:
     """New tokens `q [batch, T, q_heads, head_dim]` at `positions [batch, T]` over one layer of a full-precision
     cache `[(layers,) batch, kv_heads, tokens, head_dim]` holding `length [batch]` tokens, plus the new keys and
-    values `[batch, T, kv_heads, head_dim]` (`num_new [batch]` real). Returns `[batch, T, q_heads, head_dim]`."""
+    values `[batch, T, kv_heads, head_dim]` (`num_new [batch]` real), scores soft-capped by `softcap` (None: not).
+    Returns `[batch, T, q_heads, head_dim]`."""
     kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
     rows = group_queries(q, positions, kv_heads)
     block = block_size(num_tokens, 1, block)
@@ -190,18 +195,19 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
         vb = layer_tokens(v_cache, layer, start, block)
         valid = stored_mask(start + jnp.arange(block), first_new, length, rows, window)
         scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
-        return state.update(masked(scores, valid), lambda p: dense_values(p, vb))
+        return state.update(masked(scores, valid, softcap), lambda p: dense_values(p, vb))
 
     state = blockwise(Softmax.empty(rows.q), num_tokens, block, length, step)
-    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block)
+    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
     return ungroup(state.result(), q.shape[1], q.dtype)
 
 
-def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, block: int = BLOCK_TOKENS) -> jax.Array:
+def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, block: int = BLOCK_TOKENS,
+                    softcap: float | None = None) -> jax.Array:
     """One new token a sequence (`q [batch, 1, q_heads, head_dim]`, k_new/v_new `[batch, 1, kv_heads, head_dim]` at
     position `length`) over one layer of a full-precision cache: `attend_full_xla` with T = 1, the kernels' twin."""
     return attend_full_xla(q, length[:, None], k_cache, v_cache, layer, length, k_new, v_new,
-                           jnp.ones_like(length), window, block)
+                           jnp.ones_like(length), window, block, softcap)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -324,13 +330,13 @@ def rotated(keys: jax.Array, pos: jax.Array, inv_freq: jax.Array | None) -> jax.
 
 
 def sink_tokens(state: Softmax, rows: Rows, k_sink: jax.Array, v_sink: jax.Array, length: jax.Array,
-                window: int | None, inv_freq: jax.Array | None) -> Softmax:
+                window: int | None, inv_freq: jax.Array | None, softcap: float | None = None) -> Softmax:
     """Adds the stored sink tokens `[0, min(S, length))` in full precision: k_sink, v_sink `[batch, kv_heads, S,
     head_dim]` of one layer (keys rotated here for a pre-RoPE cache)."""
     pos = jnp.arange(k_sink.shape[2], dtype=jnp.int32)
     keys = rotated(k_sink.astype(jnp.float32), pos[None, :], inv_freq)
     valid = stored_mask(pos, 0, length, rows, window)
-    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, keys), valid)
+    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, keys), valid, softcap)
     return state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_sink.astype(jnp.float32)))
 
 
@@ -351,7 +357,7 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
 
 
 def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
-                    block: int = BLOCK_TOKENS, sinks=None, inv_freq=None) -> jax.Array:
+                    block: int = BLOCK_TOKENS, sinks=None, inv_freq=None, softcap: float | None = None) -> jax.Array:
     """New tokens over one layer of a KIVI cache (docs/design.md §3, §7), blockwise with an online softmax.
 
     Four segments: the sink tokens (full precision, with `sinks`); tokens whose key and value are both quantized
@@ -361,7 +367,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     `sinks = (k_sink, v_sink)` `[batch, kv_heads, S, head_dim]` of that layer. `inv_freq [head_dim // 2]`: the cache
     holds keys before RoPE (stores, ring, sinks), rotated here by their positions. q `[batch, T, q_heads, head_dim]`
     at `positions [batch, T]`; k_new (after RoPE), v_new `[batch, T, kv_heads, head_dim]`, the first `num_new
-    [batch]` real. Returns `[batch, T, q_heads, head_dim]` in q's dtype.
+    [batch]` real; scores soft-capped by `softcap` (None: not). Returns `[batch, T, q_heads, head_dim]` in q's dtype.
     """
     kv_heads, num_tokens = k_store.codes.shape[-3], k_store.codes.shape[-2]
     residual = k_ring.shape[2]
@@ -371,7 +377,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     block = block_size(num_tokens, max(k_store.group_size, v_store.group_size), block)  # whole per-channel groups
     state = Softmax.empty(rows.q)
     if num_sinks:
-        state = sink_tokens(state, rows, *sinks, length, window, inv_freq)
+        state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap)
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)
@@ -382,7 +388,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
             scores = quantized_scores(rows.q, kb)
         else:
             scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, rotated(dequantized(kb), pos[None, :], inv_freq))
-        return state.update(masked(scores, valid), lambda p: quantized_values(p, vb))
+        return state.update(masked(scores, valid, softcap), lambda p: quantized_values(p, vb))
 
     state = blockwise(state, num_tokens, block, main_end, step)
 
@@ -392,20 +398,20 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     valid = ((held >= main_end[:, None]) & (held >= num_sinks))[:, None, :]  # [batch, 1, R]; never-written slots < 0
     if window is not None:
         valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
-    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, k_win), valid)
+    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, k_win), valid, softcap)
     state = state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_win))
-    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block)
+    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
     return ungroup(state.result(), q.shape[1], q.dtype)
 
 
 def decode_kivi_xla(
     q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS, sinks=None,
-    inv_freq=None,
+    inv_freq=None, softcap: float | None = None,
 ) -> jax.Array:
     """One new token a sequence (at position `length`) over one layer of a KIVI cache: `attend_kivi_xla` with T = 1,
     the decode kernels' twin. Rings and sinks `[batch, kv_heads, R or S, head_dim]` of that layer."""
     return attend_kivi_xla(q, length[:, None], k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
-                           jnp.ones_like(length), window, block, sinks, inv_freq)
+                           jnp.ones_like(length), window, block, sinks, inv_freq, softcap)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -467,29 +473,34 @@ def use_native(impl: str, full: bool = False) -> bool:
     return impl in ("auto", "native") and native.available()
 
 
+SOFTCAP_REASON = "no kernel soft-caps attention logits (Gemma 2)"
+
+
 def fall_back(impl: str, reason: str) -> None:
     """The kernel cannot serve this cache: say so when the caller forced a kernel (`auto` falls back quietly)."""
     if impl in ("pallas", "native"):
         warnings.warn(f"attention_impl={impl!r}: {reason}; using the XLA path", stacklevel=3)
 
 
-def attend_full(impl: str, q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window):
+def attend_full(impl: str, q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
+                softcap=None):
     """New tokens over one layer of a full-precision cache with the chosen implementation (kernels: T = 1 only)."""
     if q.shape[1] == 1:
-        return decode_full(impl, q, k_cache, v_cache, layer, length, k_new, v_new, window)
-    return attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window)
+        return decode_full(impl, q, k_cache, v_cache, layer, length, k_new, v_new, window, softcap)
+    return attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
+                           softcap=softcap)
 
 
 def attend_kivi(impl: str, q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
-                window, sinks=None, inv_freq=None):
+                window, sinks=None, inv_freq=None, softcap=None):
     """New tokens over one layer of a KIVI cache with the chosen implementation (kernels: T = 1 only). Rings and
     sinks come stacked like the stores."""
     if q.shape[1] == 1:
         return decode_kivi(impl, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks,
-                           inv_freq)
+                           inv_freq, softcap)
     k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
     return attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
-                           window, sinks=sinks, inv_freq=inv_freq)
+                           window, sinks=sinks, inv_freq=inv_freq, softcap=softcap)
 
 
 def one_layer(layer, k_ring, v_ring, sinks):
@@ -501,13 +512,15 @@ def one_layer(layer, k_ring, v_ring, sinks):
 
 @sharding.per_shard(q="query", k_cache="cache", v_cache="cache", layer="replicated", length="batch", k_new="query",
                     v_new="query")  # under a mesh: per shard over (batch, kv heads)
-def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, window):
+def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, window, softcap=None):
     """Decode attention over one layer of a full-precision cache with the chosen implementation.
 
     The kernel reads the stacked cache in place (the layer is an index it reads) and masks the sliding window;
-    shapes it cannot take (`full_decode.unsupported`) run the XLA path.
+    shapes it cannot take (`full_decode.unsupported`) and soft-capped logits run the XLA path.
     """
-    if use_pallas(impl):
+    if softcap is not None:
+        fall_back(impl, SOFTCAP_REASON)
+    elif use_pallas(impl):
         from kivi_jax.pallas_kernels import full_decode
 
         reason = full_decode.unsupported(q.shape[-1], k_cache.shape[-2])
@@ -516,33 +529,35 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
         if reason is None:
             return full_decode.decode(q, k_cache, v_cache, layer, length, k_new, v_new, window)
         fall_back(impl, reason)
-    if use_native(impl, full=True):
+    if softcap is None and use_native(impl, full=True):
         from kivi_jax import native
 
         reason = native.unsupported_full(q.dtype, q.shape[-1], k_cache.dtype)
         if reason is None:
             return native.decode_full(q, k_cache, v_cache, layer, length, k_new, v_new, window)
         fall_back(impl, reason)
-    return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window)
+    return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, softcap=softcap)
 
 
 @sharding.per_shard(q="query", k_store="cache", v_store="cache", layer="replicated", k_ring="cache", v_ring="cache",
                     length="batch", k_new="query", v_new="query", sinks="cache",
                     inv_freq="replicated")  # under a mesh: per shard over (batch, kv heads)
 def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=None,
-                inv_freq=None):
+                inv_freq=None, softcap=None):
     """Decode attention over one layer of a KIVI cache with the chosen implementation.
 
     Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
     `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel of the backend (`pallas_target`: TPU, Mosaic
     GPU or Triton) reads them and the stores in place and masks the sliding window. Configurations it does not serve
-    (`unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) run the XLA path; every kernel
-    reads sinks and pre-RoPE keys.
+    (`unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) and soft-capped logits run the
+    XLA path; every kernel reads sinks and pre-RoPE keys.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
-    if use_pallas(impl, tpu_kernel=True):
+    if softcap is not None:
+        fall_back(impl, SOFTCAP_REASON)
+    elif use_pallas(impl, tpu_kernel=True):
         for kernel in kivi_kernels(pallas_target()):
             reason = kernel.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
                                         k_ring.shape[-2], k_store.axis, v_store.axis)
@@ -554,7 +569,7 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
                     group_size=k_store.group_size, window=window, k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq,
                 )
         fall_back(impl, reason)
-    if use_native(impl):
+    if softcap is None and use_native(impl):
         from kivi_jax import native
 
         reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2],
@@ -565,5 +580,5 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
         fall_back(impl, reason)
     k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
     return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=sinks,
-                           inv_freq=inv_freq)
+                           inv_freq=inv_freq, softcap=softcap)
 

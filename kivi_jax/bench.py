@@ -3,7 +3,6 @@ that fits a budget, and end-to-end generation throughput; synthetic caches at a 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -19,8 +18,8 @@ from kivi_jax import rotation, sharding
 from kivi_jax import weights as weight_formats
 from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.models.config import LlamaConfig
-from kivi_jax.models.llama import Params, forward, init_params
+from kivi_jax.models.config import ModelConfig
+from kivi_jax.models.decoder import Params, cast_params, forward, init_params
 
 
 def random_cache(spec, cfg, batch: int, max_tokens: int, length: int, dtype=jnp.float32, impl: str = "auto",
@@ -94,12 +93,12 @@ def _time_decode(params: Params, cache, repeats: int, warmup: int, mesh) -> dict
 # Models to measure: the real SmolLM2 (or any path) and synthetic weights with the real shapes of larger models
 
 PRESETS = {
-    "llama2-7b": LlamaConfig(
+    "llama2-7b": ModelConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
         head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=1,
         eos_token_ids=(2,), pad_token_id=0,
     ),
-    "llama3-8b": LlamaConfig(
+    "llama3-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_type="llama3", rope_factor=8.0,
         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192,
@@ -108,13 +107,13 @@ PRESETS = {
 }
 
 
-def with_layers(cfg: LlamaConfig, layers: int | None) -> LlamaConfig:
+def with_layers(cfg: ModelConfig, layers: int | None) -> ModelConfig:
     """The config with its first `layers` layers (None: all)."""
     if layers is None or layers == cfg.num_layers:
         return cfg
     if not 1 <= layers <= cfg.num_layers:
         raise ValueError(f"--layers {layers} must be between 1 and the model's {cfg.num_layers} layers")
-    return dataclasses.replace(cfg, num_layers=layers)
+    return cfg.with_layers(layers)
 
 
 def truncate_layers(params: Params, layers: int | None) -> Params:
@@ -126,7 +125,7 @@ def truncate_layers(params: Params, layers: int | None) -> Params:
     return params.replace(layers=stacks, config=cfg)
 
 
-def model_config(name: str, layers: int | None = None) -> LlamaConfig:
+def model_config(name: str, layers: int | None = None) -> ModelConfig:
     """The config of a preset, a known model or a path, without materializing weights where it can."""
     if name in PRESETS:
         return with_layers(PRESETS[name], layers)
@@ -139,8 +138,6 @@ def memory_params(name: str, dtype, layers: int | None = None, weights: str = "a
     if name in PRESETS:
         return abstract_params(with_layers(PRESETS[name], layers), dtype, weights)
     params = load_model(name, None, layers, weights=weights)
-    from kivi_jax.models.llama import cast_params
-
     return jax.eval_shape(lambda p: cast_params(p, dtype), params)
 
 
@@ -156,7 +153,7 @@ def load_model(name: str, dtype=None, layers: int | None = None, seed: int = 0, 
     return truncate_layers(kivi_jax.load(name, dtype, progress=False, weights=weights).params, layers)
 
 
-def abstract_params(cfg: LlamaConfig, dtype, weights: str = "auto") -> Params:
+def abstract_params(cfg: ModelConfig, dtype, weights: str = "auto") -> Params:
     """Params as ShapeDtypeStructs (nothing allocated), for lowering and byte counts: float in `dtype`, or the
     quantized format `weights` names."""
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
@@ -259,7 +256,7 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
 # Memory: bytes from the pytree leaves (eval_shape), the formula, the compiled step's temporaries, the largest batch
 
 
-def formula_bytes(spec, cfg: LlamaConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
+def formula_bytes(spec, cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
     """docs/design.md §2's byte formula for a spec."""
     spec = parse_cache_spec(spec)
     if spec == "full":
@@ -267,12 +264,12 @@ def formula_bytes(spec, cfg: LlamaConfig, batch: int, max_tokens: int, compute_b
     return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes)["total"]
 
 
-def abstract_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype, impl: str = "auto"):
+def abstract_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype, impl: str = "auto"):
     """A cache of ShapeDtypeStructs: its shapes and bytes without allocating it."""
     return jax.eval_shape(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl))
 
 
-def decode_temp_bytes(cfg: LlamaConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto",
+def decode_temp_bytes(cfg: ModelConfig, spec, batch: int, max_tokens: int, dtype, impl: str = "auto",
                       params=None) -> int:
     """Peak temporary bytes of the compiled decode step (the cache donated), lowered from abstract values (`params`:
     abstract params to use, default float ones in `dtype`; prepared for `spec`, as every entry point prepares them)."""
@@ -290,7 +287,7 @@ def max_batch(budget: int, weights: int, per_seq: float, fixed: float = 0.0) -> 
     return max(int(free // per_seq), 0) if per_seq > 0 else 0
 
 
-def per_device_memory(cfg: LlamaConfig, spec, context: int, dtype, budget: int, mesh, impl: str = "auto",
+def per_device_memory(cfg: ModelConfig, spec, context: int, dtype, budget: int, mesh, impl: str = "auto",
                       params=None) -> dict:
     """On a mesh of that shape (a string or sizes; no devices needed): bytes one device holds of the weights and of
     one sequence's cache (`context` tokens), the largest global batch (a multiple of the data axis) whose weights and
@@ -321,7 +318,7 @@ def per_device_memory(cfg: LlamaConfig, spec, context: int, dtype, budget: int, 
     }
 
 
-def bench_memory(cfg: LlamaConfig, context: int, specs, dtype, budget: int, impl: str = "auto",
+def bench_memory(cfg: ModelConfig, context: int, specs, dtype, budget: int, impl: str = "auto",
                  temps: bool = True, mesh=None, params=None) -> dict:
     """Per spec at `context` tokens a sequence: cache bytes from the pytree leaves (batch 1) and from the formula,
     the ratio against the full cache, the largest batch with weights + batch * cache <= `budget`, and (`temps`) the
@@ -382,7 +379,7 @@ def generate_greedy(params: Params, tokens: jax.Array, lengths: jax.Array, cache
     return out, cache
 
 
-def synthetic_prompts(cfg: LlamaConfig, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
+def synthetic_prompts(cfg: ModelConfig, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
     """Random prompt token ids `[batch, prompt_len]` (speed does not depend on the tokens)."""
     rng = np.random.RandomState(seed)
     return rng.randint(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)

@@ -7,7 +7,7 @@ attention and returns that layer's typed update — and `commit` writes all laye
 Reads inside the loop and writes after it let XLA update the donated buffers in place.
 
 Misuse is never silent: a sequence whose tokens would run past the cache's capacity, or whose token ids lie outside
-the vocabulary, gets a bit in `error_flags [batch]` (sticky), and its logits come back NaN (`models.llama.forward`);
+the vocabulary, gets a bit in `error_flags [batch]` (sticky), and its logits come back NaN (`models.decoder.forward`);
 `generate` turns a flag into an error. KIVI's float16 scale overflow is a third bit.
 """
 
@@ -22,7 +22,7 @@ from flax import struct
 
 from kivi_jax import attention, layout, quant, rotation, sharding
 from kivi_jax.config import KIVIConfig, parse_cache_spec
-from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.config import ModelConfig
 
 from kivi_jax.models.protocol import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError  # noqa: F401
 
@@ -83,7 +83,7 @@ class FullCache:
     impl: str = struct.field(pytree_node=False, default="auto")
 
     @classmethod
-    def create(cls, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto") -> "FullCache":
+    def create(cls, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto") -> "FullCache":
         if max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_tokens, cfg.head_dim)
@@ -112,11 +112,12 @@ class FullCache:
         """The compute dtype the cache holds keys and values in."""
         return self.k.dtype
 
-    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+    def attend(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
         """New tokens' attention over this layer (keys rotated here, then stored after RoPE) and their rows."""
         k = rope(k, positions).astype(self.k.dtype)
         v = v.astype(self.v.dtype)
-        out = attention.attend_full(self.impl, q, positions, self.k, self.v, layer, self.length, k, v, num_new, window)
+        out = attention.attend_full(self.impl, q, positions, self.k, self.v, layer, self.length, k, v, num_new, window,
+                                    softcap)
         return out, FullUpdate(heads_first(k), heads_first(v))
 
     def commit(self, updates: FullUpdate, num_new: jax.Array) -> "FullCache":
@@ -310,7 +311,7 @@ class KIVICache:
 
     @classmethod
     def create(
-        cls, cfg: LlamaConfig, kivi: KIVIConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"
+        cls, cfg: ModelConfig, kivi: KIVIConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"
     ) -> "KIVICache":
         if kivi.first_layers:
             n = kivi.first_layers
@@ -346,7 +347,7 @@ class KIVICache:
 
     @property
     def value_basis(self) -> str:
-        """The basis the params must produce values in (`models.llama.check_value_basis`)."""
+        """The basis the params must produce values in (`models.decoder.check_value_basis`)."""
         return "hadamard" if self.config.rotate_values else ""
 
     @property
@@ -371,14 +372,14 @@ class KIVICache:
         """`[batch]` bool: a stored scale or min was not finite (see KIVIConfig.scale_dtype)."""
         return (self.error_flags & SCALE_OVERFLOW) != 0
 
-    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+    def attend(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
         """New tokens' attention over this layer as it is stored (KIVI's order: the new tokens themselves in full
         precision), and the update that appends them as one-at-a-time appends would. With per-layer bits the layer
         is answered by the part that holds it (a `lax.cond` on the layer index; the other part's update is zeros)."""
         if self.first is None:
-            return self.attend_here(layer, q, k, v, positions, rope, num_new, window)
+            return self.attend_here(layer, q, k, v, positions, rope, num_new, window, softcap)
         n = self.config.first_layers
-        args = (q, k, v, positions, rope, num_new, window)
+        args = (q, k, v, positions, rope, num_new, window, softcap)
         in_first = lambda: self.first.attend_here(jnp.minimum(layer, n - 1), *args)
         in_rest = lambda: self.attend_here(jnp.maximum(layer - n, 0), *args)
         zeros = lambda f: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(f)[1])
@@ -393,7 +394,7 @@ class KIVICache:
 
         return jax.lax.cond(layer < n, branch_first, branch_rest)
 
-    def attend_here(self, layer, q, k, v, positions, rope, num_new, window):
+    def attend_here(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
         """`attend` over this cache's own stores (`layer` indexes them)."""
         kivi, dtype = self.config, self.k_ring.dtype
         k_rot = rope(k, positions).astype(dtype)  # the new tokens attend to each other after RoPE
@@ -405,7 +406,8 @@ class KIVICache:
         sinks = None if self.k_sink is None else (self.k_sink, self.v_sink)
         out = attention.attend_kivi(self.impl, q, positions, self.k, self.v, layer, self.k_ring, self.v_ring,
                                     self.length, k_rot, v, num_new, window, sinks=sinks,
-                                    inv_freq=rope.inv_freq if kivi.pre_rope else None)  # stacks read in place
+                                    inv_freq=rope.inv_freq if kivi.pre_rope else None,
+                                    softcap=softcap)  # stacks read in place
         return out, self.append_update(self.k_ring[layer], self.v_ring[layer], heads_first(stored), heads_first(v),
                                        num_new)
 
@@ -519,7 +521,7 @@ def without_sinks(store: QuantStore, pos: jax.Array, x: jax.Array, sinks: int) -
 
 
 def kivi_cache_bytes(
-    cfg: LlamaConfig, kivi: KIVIConfig, batch: int, max_tokens: int, compute_bytes: int
+    cfg: ModelConfig, kivi: KIVIConfig, batch: int, max_tokens: int, compute_bytes: int
 ) -> dict[str, int]:
     """docs/design.md §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, sinks,
     bookkeeping); per-layer bits add the first layers' part (with its own copy of the bookkeeping)."""
@@ -546,12 +548,12 @@ def kivi_cache_bytes(
     return parts
 
 
-def full_cache_bytes(cfg: LlamaConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
+def full_cache_bytes(cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
     """Bytes of a full-precision cache: keys and values in the compute dtype plus length and error flags."""
     return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 8 * batch
 
 
-def make_cache(spec, cfg: LlamaConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None):
+def make_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None):
     """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', a KIVIConfig); with `mesh` (a
     Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
     spec = parse_cache_spec(spec)

@@ -25,7 +25,7 @@ from kivi_jax import rotation
 from kivi_jax.cache import make_cache
 from kivi_jax.checkpoint import CheckpointError
 from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.models.llama import Params
+from kivi_jax.models.decoder import Params
 
 FORMAT = "kivi_jax-cache"
 VERSION = 1

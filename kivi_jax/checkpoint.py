@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kivi_jax import weights as formats
-from kivi_jax.models.config import LlamaConfig, UnsupportedModelError
-from kivi_jax.models.llama import Params, cast_params, param_shapes, params_from_dict, params_to_dict
+from kivi_jax.models import registry
+from kivi_jax.models.config import ModelConfig, UnsupportedModelError
+from kivi_jax.models.decoder import Params, cast_params, param_shapes, params_from_dict, params_to_dict
 from kivi_jax.weights import QuantizedMatrix
 
 FORMAT_FILE = "kivi_jax.json"
@@ -55,55 +56,36 @@ def _progress(total: int, desc: str, show: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not show, leave=False)
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Name mapping shared by both source formats: (our name, layer or None, transpose?)
+# Placing named checkpoint tensors by the architecture's table (models/registry.py: each Param's `hf` / `gguf` name)
 
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
-_HF_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": ("embed", False),
-    "model.norm.weight": ("final_norm", False),
-    "lm_head.weight": ("lm_head", True),
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": ("attn_norm", False),
-    "attn_q.weight": ("wq", True),
-    "attn_k.weight": ("wk", True),
-    "attn_v.weight": ("wv", True),
-    "attn_output.weight": ("wo", True),
-    "ffn_norm.weight": ("mlp_norm", False),
-    "ffn_gate.weight": ("w_gate", True),
-    "ffn_up.weight": ("w_up", True),
-    "ffn_down.weight": ("w_down", True),
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": ("embed", False),
-    "output_norm.weight": ("final_norm", False),
-    "output.weight": ("lm_head", True),
-}
 
-def _assemble(
-    cfg: LlamaConfig,
-    tensors: Iterator[tuple[str, "np.ndarray | QuantizedMatrix"]],
-    layer_names: dict,
-    global_names: dict,
-    layer_prefix: str,
-    dtype,
-    source: str,
-) -> Params:
-    """Places named `[out, in]` tensors (float arrays, or quantized matrices of their rows) into stacked `Params`,
-    checking that each arrives exactly once; float leaves are cast to `dtype`."""
-    shapes = param_shapes(cfg)
+def tensor_names(cfg: ModelConfig, source: str) -> tuple[dict[str, tuple[str, int | None]], list]:
+    """`({tensor name: (our path, layer or None)}, [(pattern, path)])` for a checkpoint format (`source` "hf" or
+    "gguf"): every name the table gives, and a regex per stacked leaf that catches a layer the config lacks."""
+    import re
+
+    names, patterns = {}, []
+    for path, p in registry.param_table(cfg).items():
+        name = getattr(p, source)
+        if name is None:
+            continue
+        if p.stacked:
+            names.update({name.format(i=i): (path, i) for i in range(cfg.num_layers)})
+            patterns.append((re.compile(re.escape(name).replace(re.escape("{i}"), r"(\d+)")), path))
+        else:
+            names[name] = (path, None)
+    return names, patterns
+
+
+def _assemble(cfg: ModelConfig, tensors: Iterator[tuple[str, "np.ndarray | QuantizedMatrix"]], source_format: str,
+              dtype, source: str) -> Params:
+    """Places named `[out, in]` tensors (float arrays, or quantized matrices of their rows) into stacked `Params`
+    by the architecture's table, checking that each arrives exactly once; float leaves are cast to `dtype`. Names
+    the table does not know (rotary buffers, tied heads) are skipped."""
+    table = registry.param_table(cfg)
+    names, patterns = tensor_names(cfg, source_format)
     stacked: dict = {}  # layer leaf -> a float [layers, ...] array, or a list of per-layer quantized matrices
-    seen_layers = {k: np.zeros(cfg.num_layers, bool) for k in shapes["layers"]}
+    seen_layers = {path: np.zeros(cfg.num_layers, bool) for path, p in table.items() if p.stacked}
     tree: dict = {}
 
     def oriented(name, arr, transpose, shape):
@@ -117,44 +99,43 @@ def _assemble(
         return value
 
     for name, arr in tensors:
-        if name.startswith(layer_prefix):
-            idx, _, rest = name[len(layer_prefix) :].partition(".")
-            if rest not in layer_names:
-                continue  # e.g. rotary inv_freq buffers
-            ours, transpose = layer_names[rest]
-            i = int(idx)
-            if i >= cfg.num_layers:
-                raise CheckpointError(f"{source}: tensor {name} names layer {i}, but the config has {cfg.num_layers}")
-            value = oriented(name, arr, transpose, shapes["layers"][ours][1:])
-            if isinstance(value, QuantizedMatrix):
-                stacked.setdefault(ours, [None] * cfg.num_layers)[i] = value
-            else:
-                stacked.setdefault(ours, np.zeros(shapes["layers"][ours], np.float32))[i] = value
-            seen_layers[ours][i] = True
-        elif name in global_names:
-            ours, transpose = global_names[name]
-            if ours == "lm_head" and cfg.tie_word_embeddings:
-                continue
-            tree[ours] = oriented(name, arr, transpose, shapes[ours])
-    missing = [f"layers.{k}[{np.flatnonzero(~s).tolist()}]" for k, s in seen_layers.items() if not s.all()]
-    missing += [k for k in ("embed", "final_norm") if k not in tree]
-    if not cfg.tie_word_embeddings and "lm_head" not in tree:
-        missing.append("lm_head")
+        if name not in names:
+            for pattern, path in patterns:
+                m = pattern.fullmatch(name)
+                if m:
+                    raise CheckpointError(f"{source}: tensor {name} names layer {int(m.group(1))}, but the config "
+                                          f"has {cfg.num_layers}")
+            continue  # e.g. rotary inv_freq buffers
+        path, i = names[name]
+        p = table[path]
+        if source_format == "gguf" and p.from_gguf is not None:
+            fix = lambda w, p=p: p.from_gguf(w, cfg)  # noqa: E731
+            arr = formats.map_rows(arr, fix) if isinstance(arr, QuantizedMatrix) else fix(arr)
+        transpose = p.kind == "matrix"
+        if i is None:
+            tree[path] = oriented(name, arr, transpose, p.shape)
+            continue
+        value = oriented(name, arr, transpose, p.shape[1:])
+        if isinstance(value, QuantizedMatrix):
+            stacked.setdefault(path, [None] * cfg.num_layers)[i] = value
+        else:
+            stacked.setdefault(path, np.zeros(p.shape, np.float32))[i] = value
+        seen_layers[path][i] = True
+    missing = [f"{k}[{np.flatnonzero(~s).tolist()}]" for k, s in seen_layers.items() if not s.all()]
+    missing += [k for k, p in table.items() if not p.stacked and k not in tree]
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks tensors for {', '.join(missing)} (truncated or wrong model?)")
     layers = {}
     for k, v in stacked.items():
         if isinstance(v, list):
             if any(isinstance(x, QuantizedMatrix) != isinstance(v[0], QuantizedMatrix) for x in v):
-                raise CheckpointError(f"{source}: layers.{k} mixes quantized and float layers")
+                raise CheckpointError(f"{source}: {k} mixes quantized and float layers")
             try:
-                layers[k] = formats.stack_layers(v)
+                v = formats.stack_layers(v)
             except ValueError as e:
-                raise CheckpointError(f"{source}: layers.{k}: {e}") from e
-        else:
-            layers[k] = v
+                raise CheckpointError(f"{source}: {k}: {e}") from e
+        layers[k[len("layers."):]] = v
     tree["layers"] = layers
-    tree.setdefault("lm_head", None)
     try:
         params = params_from_dict(tree, cfg)
     except ValueError as e:
@@ -192,13 +173,13 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 def load_hf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False) -> Params:
-    """An HF Llama/Mistral directory (config.json + safetensors) -> `Params`, without torch."""
+    """An HF directory (config.json + safetensors) of any registered architecture -> `Params`, without torch."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json, so it is not an HF model directory")
-    cfg = LlamaConfig.from_hf_file(path / "config.json")
+    cfg = ModelConfig.from_hf_file(path / "config.json")
     files = _safetensors_files(path)
 
     def tensors():
@@ -214,10 +195,10 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False) 
             except SafetensorError as e:
                 raise CheckpointError(f"{f} is corrupt or truncated ({e}); re-download or re-save it") from e
 
-    return _assemble(cfg, tensors(), _HF_LAYER_NAMES, _HF_GLOBAL_NAMES, "model.layers.", dtype, str(path))
+    return _assemble(cfg, tensors(), "hf", dtype, str(path))
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GGUF (llama architecture)
+# GGUF (the architectures whose tensors the `gguf` package names)
 
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
@@ -225,50 +206,33 @@ def _gguf_field(reader, key: str, default=None):
         return default
     return field.contents()
 
-def gguf_config(reader, source: str) -> LlamaConfig:
-    """The model config a GGUF file's metadata describes."""
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; kivi_jax reads 'llama'")
-    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
-    heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
-    head_dim = int(g("attention.key_length", hidden // heads))
-    scaling = g("rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise UnsupportedModelError(f"{source}: GGUF rope scaling {scaling!r} is not supported")
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rope_type="linear" if scaling == "linear" else "default",
-        rope_factor=float(g("rope.scaling.factor", 1.0)),
-        tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(g("context_length", 4096)),
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        pad_token_id=_gguf_field(reader, "tokenizer.ggml.padding_token_id"),
-        model_type="llama",
-    )
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row permutation `[out, in]` (interleaved rotary pairs -> HF's half-split layout)."""
-    out = w.shape[0]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+class GGUFMeta:
+    """A GGUF file's metadata as an architecture's reader asks for it (models/registry.py): `meta(key, default)`
+    reads `<arch>.key`, `meta.file(key, default)` any key, `meta.tensors` the tensor names, `meta.arch`,
+    `meta.source`."""
+
+    def __init__(self, reader, source: str):
+        self.reader, self.source = reader, source
+        self.arch = _gguf_field(reader, "general.architecture")
+        self.tensors = {t.name for t in reader.tensors}
+
+    def __call__(self, key: str, default=None):
+        return _gguf_field(self.reader, f"{self.arch}.{key}", default)
+
+    def file(self, key: str, default=None):
+        return _gguf_field(self.reader, key, default)
+
+
+def gguf_config(reader, source: str) -> ModelConfig:
+    """The model config a GGUF file's metadata describes (by its `general.architecture`)."""
+    meta = GGUFMeta(reader, source)
+    return ModelConfig.from_gguf(meta.arch, meta)
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False, keep_blocks: bool = False) -> Params:
-    """A llama-architecture GGUF file -> `Params`. With `keep_blocks` its Q8_0, Q4_0 and Q4_1 matrices stay quantized
-    as stored (`kivi_jax.weights`); every other tensor (and, without it, every tensor) is dequantized to float32 by
-    `gguf`'s own `dequantize`, then cast to `dtype`."""
+    """A GGUF file of a registered architecture -> `Params` (tensors named and fixed up as its table says). With
+    `keep_blocks` its Q8_0, Q4_0 and Q4_1 matrices stay quantized as stored (`kivi_jax.weights`); every other tensor
+    (and, without it, every tensor) is dequantized to float32 by `gguf`'s own `dequantize`, then cast to `dtype`."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -293,16 +257,11 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, progress: bool = False
                     arr = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
             except Exception as e:
                 raise CheckpointError(f"{path}: tensor {t.name} cannot be read ({e}); corrupt or truncated?") from e
-            heads = (cfg.num_heads if t.name.endswith("attn_q.weight")
-                     else cfg.num_kv_heads if t.name.endswith("attn_k.weight") else None)
-            if heads is not None:
-                unpermute = lambda w, h=heads: unpermute_rope_rows(w, h)
-                arr = formats.map_rows(arr, unpermute) if isinstance(arr, QuantizedMatrix) else unpermute(arr)
             yield t.name, arr
             bar.update()
         bar.close()
 
-    return _assemble(cfg, tensors(), _GGUF_LAYER_NAMES, _GGUF_GLOBAL_NAMES, "blk.", dtype, str(path))
+    return _assemble(cfg, tensors(), "gguf", dtype, str(path))
 
 CONTROL_TOKEN = 3  # GGUF token type of special tokens such as <|im_end|>
 
@@ -432,7 +391,7 @@ def restore(path: str | os.PathLike, dtype=None) -> Params:
         raise CheckpointError(f"{path} is not a kivi_jax checkpoint (no {FORMAT_FILE}); convert with `kivi-jax convert`")
     try:
         meta = json.loads(meta_file.read_text())
-        cfg = LlamaConfig.from_dict(meta["config"])
+        cfg = ModelConfig.from_dict(meta["config"])
         saved_dtype = jnp.dtype(meta["dtype"])
         quantized = meta.get("weights") or {}
     except (json.JSONDecodeError, KeyError, TypeError) as e:

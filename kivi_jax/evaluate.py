@@ -21,7 +21,7 @@ from kivi_jax import quant, rotation, sharding
 from kivi_jax.cache import make_cache
 from kivi_jax.config import bits_per_value, parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
-from kivi_jax.models.llama import NoCache, Params, forward, rope_inv_freq
+from kivi_jax.models.decoder import NoCache, Params, forward, rope_inv_freq
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Text and windows
@@ -358,9 +358,9 @@ class _Recorder(NoCache):
 
     recorded = None
 
-    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+    def attend(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
         k_rot = rope(k, positions)
-        return causal_attention(q, k_rot, v, num_new, window), {"q": q, "k": k_rot, "v": v, "k_pre": k}
+        return causal_attention(q, k_rot, v, num_new, window, softcap), {"q": q, "k": k_rot, "v": v, "k_pre": k}
 
     def commit(self, updates, num_new):
         self.recorded = updates

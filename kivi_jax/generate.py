@@ -18,8 +18,8 @@ from kivi_jax import layout, rotation, sharding
 from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
                             make_cache)
 from kivi_jax.config import KIVIConfig, parse_cache_spec
-from kivi_jax.models.config import LlamaConfig
-from kivi_jax.models.llama import Params, forward
+from kivi_jax.models.config import ModelConfig
+from kivi_jax.models.decoder import Params, forward
 
 PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
 CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)
@@ -30,7 +30,7 @@ class Model(NamedTuple):
     """What `kivi_jax.load` returns; unpacks as `params, config, tokenizer`."""
 
     params: Params
-    config: LlamaConfig
+    config: ModelConfig
     tokenizer: object | None
 
 
@@ -191,7 +191,7 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
     return out, single
 
 
-def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | None, cfg: LlamaConfig) -> int:
+def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | None, cfg: ModelConfig) -> int:
     """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets. Either way the
     prompt plus the new tokens must fit the model's `max_position_embeddings`."""
     need = prompt_len + max_new_tokens

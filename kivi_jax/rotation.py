@@ -2,8 +2,9 @@
 
 A value quantized per token in a rotated basis `v @ H` spreads a channel's outlier over every channel of its group, so
 one (scale, min) fits the group better. The rotation costs nothing per step: `H` is folded into the value projection
-(`wv`: each kv head's columns times H) and its transpose into the output projection (`wo`: each query head's rows
-times H^T), so with a full-precision cache the model computes the same function. Keys can be rotated too (queries
+(`wv`, and a value bias: each kv head's columns times H) and its transpose into the output projection (`wo`: each
+query head's rows times H^T), so with a full-precision cache the model computes the same function. The architecture
+names those leaves (models/registry.py `Param.rotate`). Keys can be rotated too (queries
 and keys by the same H every step, `KIVIConfig.rotate_keys`), but that erases the fixed outlier channels that
 per-channel key scales exploit; docs/quality.md has the measurement.
 
@@ -17,6 +18,9 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+
+from kivi_jax.models import registry
+from kivi_jax.models.decoder import leaves_by_path, replace_leaves
 
 SEED = 20240101  # the random basis where head_dim is not a power of two
 
@@ -35,28 +39,33 @@ def basis(head_dim: int) -> np.ndarray:
     return q * np.sign(np.diag(r))[None, :]
 
 
-# A quantized wv or wo is rotated in float and quantized again in this format (per output channel, 8 bits: finer than
+# A quantized projection that rotation changes is rotated in float and quantized again in this format (per output channel, 8 bits: finer than
 # the GGUF's 4-bit blocks, so the rotation adds little error; docs/benchmarks.md "Quantized weights" measures it).
 ROTATED_FORMAT = "int8"
 
 
 def rotate_values(params):
     """Params whose value projection produces each kv head's values in the basis H and whose output projection undoes
-    it (full-precision outputs unchanged up to rounding); marks them `value_basis="hadamard"`. Idempotent. Quantized
-    projections are rotated in float and quantized again (`ROTATED_FORMAT`)."""
+    it (full-precision outputs unchanged up to rounding); marks them `value_basis="hadamard"`. Idempotent. Which
+    leaves those are, the architecture declares (`Param.rotate` in models/registry.py: `values` leaves — the value
+    projection and its bias — get each kv head's block times H, `attention_out` leaves H^T times each query head's
+    rows). Quantized projections are rotated in float and quantized again (`ROTATED_FORMAT`)."""
     from kivi_jax import weights
 
     if params.value_basis:
         return params
-    cfg = params.config
-    d, kv, q_heads = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
+    d = params.config.head_dim
     h = jnp.asarray(basis(d), jnp.float32)
-    lp = params.layers
     as_float = lambda w: w.logical(jnp.float32) if weights.is_quantized(w) else w.astype(jnp.float32)
-    wv_f, wo_f = as_float(lp.wv), as_float(lp.wo)
-    layers = wv_f.shape[0]
-    wv = jnp.einsum("lekd,dc->lekc", wv_f.reshape(layers, -1, kv, d), h).reshape(wv_f.shape)  # [layers, hidden, kv*D]
-    wo = jnp.einsum("dc,lqde->lqce", h, wo_f.reshape(layers, q_heads, d, -1)).reshape(wo_f.shape)  # H^T @ each head
+    leaves = leaves_by_path(params)
+
+    def rotated(w, role):
+        wf = as_float(w)
+        if role == "values":  # [..., kv_heads * D]: each head's columns times H
+            return jnp.einsum("...kd,dc->...kc", wf.reshape(*wf.shape[:-1], -1, d), h).reshape(wf.shape)
+        if role == "attention_out":  # [layers, q_heads * D, hidden]: H^T times each head's rows
+            return jnp.einsum("dc,lqde->lqce", h, wf.reshape(wf.shape[0], -1, d, wf.shape[-1])).reshape(wf.shape)
+        raise ValueError(f"unknown value-rotation role {role!r}")
 
     def back(new, old):
         if weights.is_quantized(old) and isinstance(new, jax.core.Tracer):  # abstract (eval_shape): shapes only
@@ -67,7 +76,9 @@ def rotate_values(params):
                 impl=old.impl)
         return new.astype(old.dtype)
 
-    return params.replace(layers=lp.replace(wv=back(wv, lp.wv), wo=back(wo, lp.wo)), value_basis="hadamard")
+    new = {path: back(rotated(leaves[path], p.rotate), leaves[path])
+           for path, p in registry.param_table(params.config).items() if p.rotate is not None}
+    return replace_leaves(params, new).replace(value_basis="hadamard")
 
 
 def key_basis(head_dim: int, dtype) -> jnp.ndarray:

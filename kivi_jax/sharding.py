@@ -3,7 +3,8 @@ for every parameter and cache leaf, placement of params and caches, the per-shar
 
 - `data` splits the batch (and so each sequence's cache); `model` splits query and kv heads, the MLP's hidden units
   and the vocabulary. Layers, tokens and head_dim are never split.
-- Parameters are named leaf by leaf (`PARAM_AXES`); cache leaves by rule (`CACHE_AXES`, by rank): `[batch]`
+- Parameters take the logical axes their architecture declares beside each leaf (models/registry.py `Param.axes`,
+  `param_axes_of`); cache leaves by rule (`CACHE_AXES`, by rank): `[batch]`
   bookkeeping leaves split on data, `[layers, batch, kv_heads, ...]` stores on data and model; any other leaf is an
   error, so a new cache leaf is either covered by a rule or refused loudly.
 - Heads that do not divide the model axis (SmolLM2: 3 kv heads) are replicated on it: attention (its weights, the
@@ -30,6 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kivi_jax.models import registry
+
 MESH_AXES = ("data", "model")
 
 # The one table: logical axis -> mesh axis (None: never split). A dimension that the mesh axis does not divide is
@@ -46,22 +49,6 @@ LOGICAL_AXES: dict[str, str | None] = {
     "head_dim": None,  # cache columns: channels, packed code bytes, or channel groups of per-token scales
 }
 HEAD_AXES = ("kv_heads", "q_heads")
-
-# Every parameter leaf of models/llama.py's Params / LayerParams, by its path.
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "layers.attn_norm": ("layers", "embed"),
-    "layers.wq": ("layers", "embed", "q_heads"),
-    "layers.wk": ("layers", "embed", "kv_heads"),
-    "layers.wv": ("layers", "embed", "kv_heads"),
-    "layers.wo": ("layers", "q_heads", "embed"),
-    "layers.mlp_norm": ("layers", "embed"),
-    "layers.w_gate": ("layers", "embed", "mlp"),
-    "layers.w_up": ("layers", "embed", "mlp"),
-    "layers.w_down": ("layers", "mlp", "embed"),
-    "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
-}
 
 # Every cache leaf, by rank: bookkeeping per sequence (length, overflow, error flags, ...) and stores stacked
 # [layers, batch, kv_heads, rows, cols] (FullCache k/v, QuantStore codes/scale/mn, rings, future sink tokens).
@@ -209,13 +196,14 @@ def _path_name(path) -> str:
 
 def param_axes(params) -> dict[str, tuple[str, ...]]:
     """Logical axes of every parameter leaf, by path (a quantized matrix's codes, scales and mins under its own
-    path: `layers.wq.codes`); a leaf the table does not know is an error."""
+    path: `layers.wq.codes`); a leaf its architecture's table does not know is an error."""
     from kivi_jax import weights
 
+    table = registry.param_table(params.config)
     out = {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=weights.is_quantized)[0]:
         name = _path_name(p)
-        axes = param_axes_of(name, leaf)
+        axes = param_axes_of(name, leaf, table)
         if weights.is_quantized(leaf):
             out.update({f"{name}.{part}": axes for part in ("codes", "scale", "mn") if getattr(leaf, part) is not None})
         else:
@@ -228,10 +216,11 @@ def param_specs(params, mesh):
     from kivi_jax import weights
 
     heads = heads_sharded(params.config.num_kv_heads, mesh)
+    table = registry.param_table(params.config)
 
     def one(path, leaf):
         name = _path_name(path)
-        axes = param_axes_of(name, leaf)
+        axes = param_axes_of(name, leaf, table)
         if not weights.is_quantized(leaf):
             return spec_for(axes, leaf.shape, mesh, heads, f"parameter {name}")
         return leaf.replace(**{part: spec_for(axes, getattr(leaf, part).shape, mesh, heads, f"parameter {name}.{part}")
@@ -240,14 +229,16 @@ def param_specs(params, mesh):
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=weights.is_quantized)
 
 
-def param_axes_of(name: str, leaf) -> tuple[str, ...]:
-    """The logical axes of a parameter leaf: its PARAM_AXES entry, or for a quantized matrix its rows' and columns'
-    axes (a projection `[in, out]` is held as rows of out: its last two axes swap; its scales follow its rows)."""
+def param_axes_of(name: str, leaf, table: dict) -> tuple[str, ...]:
+    """The logical axes of a parameter leaf: those its architecture's `table` (`registry.param_table`) declares, or
+    for a quantized matrix its rows' and columns' axes (a projection `[in, out]` is held as rows of out: its last two
+    axes swap; its scales follow its rows)."""
     from kivi_jax import weights
 
-    if name not in PARAM_AXES:
-        raise MeshError(f"parameter {name} {tuple(leaf.shape)} has no entry in kivi_jax.sharding.PARAM_AXES")
-    axes = PARAM_AXES[name]
+    if name not in table:
+        raise MeshError(f"parameter {name} {tuple(leaf.shape)} is not in its architecture's parameter table "
+                        "(models/registry.py)")
+    axes = table[name].axes
     if weights.is_quantized(leaf) and leaf.transposed:
         axes = axes[:-2] + (axes[-1], axes[-2])
     return axes
@@ -310,7 +301,7 @@ def put(x, mesh: Mesh, spec: P = P()):
 
 
 def shard_params(params, mesh):
-    """Params placed on `mesh` by PARAM_AXES (a leaf already placed so is kept as it is)."""
+    """Params placed on `mesh` by their declared axes (a leaf already placed so is kept as it is)."""
     mesh = resolve_mesh(mesh)
     return jax.tree_util.tree_map(lambda x, s: put(x, mesh, s), params, param_specs(params, mesh),
                                   is_leaf=lambda x: isinstance(x, P))

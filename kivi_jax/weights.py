@@ -34,6 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kivi_jax.models import registry
+from kivi_jax.models.decoder import cast_params, leaves_by_path, replace_leaves
+
 IMPLS = ("auto", "xla", "native")
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1")
 GROUPS = (32, 64, 128)
@@ -293,15 +296,7 @@ def is_quantized(w) -> bool:
 
 def formats(params) -> dict[str, str]:
     """The format of every weight leaf, by path ('float32' etc. for float arrays)."""
-    out = {}
-    for name in ("embed", "final_norm", "lm_head"):
-        w = getattr(params, name)
-        if w is not None:
-            out[name] = w.fmt if is_quantized(w) else jnp.dtype(w.dtype).name
-    for f in params.layers.__dataclass_fields__:
-        w = getattr(params.layers, f)
-        out[f"layers.{f}"] = w.fmt if is_quantized(w) else jnp.dtype(w.dtype).name
-    return out
+    return {name: w.fmt if is_quantized(w) else jnp.dtype(w.dtype).name for name, w in leaves_by_path(params).items()}
 
 
 def summary(params) -> str:
@@ -341,38 +336,23 @@ def map_rows(w: QuantizedMatrix, fn) -> QuantizedMatrix:
 
 
 def _quantizable(params):
-    """(path, leaf, is_table) of every matrix that may be quantized: the embedding table, an untied head and every
-    stacked projection (norms stay float)."""
-    out = [("embed", params.embed, True)]
-    if params.lm_head is not None:
-        out.append(("lm_head", params.lm_head, False))
-    for f in params.layers.__dataclass_fields__:
-        w = getattr(params.layers, f)
-        if is_quantized(w) or w.ndim == 3:
-            out.append((f"layers.{f}", w, False))
-    return out
-
-
-def _replace_leaves(params, new: dict):
-    """Params with the leaves at the given paths replaced."""
-    top = {k: v for k, v in new.items() if not k.startswith("layers.")}
-    layers = {k[len("layers."):]: v for k, v in new.items() if k.startswith("layers.")}
-    return params.replace(layers=params.layers.replace(**layers), **top)
+    """(path, leaf, is_table) of every matrix that may be quantized, as the architecture's table declares them
+    (models/registry.py `Param.kind`): the embedding table, an untied head and every projection; norms and biases
+    stay float."""
+    leaves = leaves_by_path(params)
+    return [(name, leaves[name], p.kind == "table") for name, p in registry.param_table(params.config).items()
+            if p.kind != "vector"]
 
 
 def dequantize_params(params, dtype):
     """Every quantized matrix as the float leaf it stands for, in `dtype` (float leaves are cast too)."""
-    from kivi_jax.models.llama import cast_params
-
     new = {name: w.logical(jnp.float32).astype(dtype) for name, w, _ in _quantizable(params) if is_quantized(w)}
-    return cast_params(_replace_leaves(params, new), dtype)
+    return cast_params(replace_leaves(params, new), dtype)
 
 
 def convert_params(params, weights: str, dtype=None):
     """`params` holding the weights `weights` names (WEIGHTS_HELP); `dtype` is the compute dtype of the float
     leaves (and of every weight for a float format). Raises ValueError for a combination that cannot be."""
-    from kivi_jax.models.llama import cast_params
-
     weights = check_weights(weights)
     held = summary(params)
     if weights in FLOAT_WEIGHTS:
@@ -391,7 +371,7 @@ def convert_params(params, weights: str, dtype=None):
         m = w.dequantize(jnp.float32) if is_quantized(w) else (w if table else jnp.swapaxes(w, -1, -2))
         new[name] = quantize_matrix(m, table_format(weights) if table or name == "lm_head" else weights,
                                     transposed=not table)
-    return cast_params(_replace_leaves(params, new), dtype)
+    return cast_params(replace_leaves(params, new), dtype)
 
 
 def abstract_matrix(shape: tuple[int, ...], fmt: str, transposed: bool) -> QuantizedMatrix:
@@ -423,4 +403,4 @@ def abstract_params(params, weights: str):
     new = {name: abstract_matrix(w.shape, table_format(weights) if table or name == "lm_head" else weights,
                                  transposed=not table)
            for name, w, table in _quantizable(params)}
-    return _replace_leaves(params, new)
+    return replace_leaves(params, new)

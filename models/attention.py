@@ -1,4 +1,5 @@
-"""Dense causal attention over a sequence of new tokens (prefill), with GQA and an optional sliding window."""
+"""Dense causal attention over a sequence of new tokens (prefill), with GQA, an optional sliding window and an
+optional logit soft-cap."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ QUERY_CHUNK = 512  # queries per score tile, bounds the [chunk, tokens] score ma
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, num_valid: jax.Array, window: int | None = None
+    q: jax.Array, k: jax.Array, v: jax.Array, num_valid: jax.Array, window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal GQA attention of a right-padded sequence over itself.
 
     q `[batch, tokens, q_heads, head_dim]`, k/v `[batch, tokens, kv_heads, head_dim]`, num_valid `[batch]`: keys at
-    positions >= num_valid are padding and never attended. Returns `[batch, tokens, q_heads, head_dim]` in q's dtype;
-    rows of padded queries hold finite garbage.
+    positions >= num_valid are padding and never attended; `softcap` caps the scores (`cap * tanh(s / cap)`).
+    Returns `[batch, tokens, q_heads, head_dim]` in q's dtype; rows of padded queries hold finite garbage.
     """
     batch, tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -29,6 +31,8 @@ def causal_attention(
         q_pos = start + jnp.arange(size)  # [size]
         qc = qg[:, start : start + size]  # [batch, size, kv_heads, n_rep, head_dim]
         scores = jnp.einsum("bqhrd,bkhd->bhrqk", qc, k, preferred_element_type=jnp.float32)
+        if softcap is not None:
+            scores = softcap * jnp.tanh(scores / softcap)
         allowed = key_pos[None, :] <= q_pos[:, None]  # [size, tokens]
         if window is not None:
             allowed &= q_pos[:, None] - key_pos[None, :] < window

@@ -1,19 +1,24 @@
-"""Functional Llama / Mistral decoder: parameters as a frozen pytree, layers stacked and run with `lax.scan`."""
+"""Llama and Mistral (docs/design.md §4): GQA, RoPE with theta and linear or llama3-style scaling, RMSNorm, SwiGLU,
+tied or untied embeddings, Mistral's sliding window on every layer. Registered as model_type `llama` and `mistral`,
+GGUF architecture `llama`.
+
+The shared decoder pieces (`Params`, `forward` of any architecture, `init_params`, norms, RoPE, `NoCache`) live in
+models/decoder.py and are importable from here too.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from . import weights
-from .attention import causal_attention
-from .config import LlamaConfig
-from .protocol import BAD_TOKEN, POISON, CacheCapacityError, KVCache
+from .config import ModelConfig, UnsupportedModelError, gguf_common, hf_common
+from .decoder import (  # noqa: F401 (the shared pieces, importable from here)
+    NoCache, Params, Rotary, apply_rope, cast_params, check_inputs, check_value_basis, decode, forward, init_params,
+    param_shapes, params_from_dict, params_to_dict, rms_norm, rope_inv_freq,
+)
+from .registry import Architecture, Param, register
 
 
 @struct.dataclass
@@ -32,231 +37,98 @@ class LayerParams:
     w_down: jax.Array  # [layers, intermediate, hidden]
 
 
-@struct.dataclass
-class Params:
-    """All weights of a model, with its config as a static field. Weights are float arrays in the compute dtype or
-    quantized matrices (`kivi_jax.weights`: GGUF blocks, int8, int4); norms are always float."""
-
-    embed: jax.Array  # [vocab, hidden] (a quantized table: one row a token)
-    layers: LayerParams
-    final_norm: jax.Array  # [hidden]
-    lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
-    config: LlamaConfig = struct.field(pytree_node=False)
-    value_basis: str = struct.field(pytree_node=False, default="")  # "hadamard": wv/wo rotated (kivi_jax.rotation)
-
-    @property
-    def dtype(self):
-        """The compute dtype (of the activations and every float leaf; norms are never quantized)."""
-        return self.final_norm.dtype
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation `[out, in]` (interleaved rotary pairs -> HF's half-split layout)."""
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def param_shapes(cfg: LlamaConfig) -> dict:
-    """Shape of every parameter, keyed like `Params` (nested dict for `layers`)."""
-    n, e, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+def embed_param(cfg: ModelConfig) -> Param:
+    """The embedding table `[vocab, hidden]`, as every architecture here names it."""
+    return Param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "table", "model.embed_tokens.weight",
+                 "token_embd.weight")
+
+
+def lm_head_param(cfg: ModelConfig) -> dict[str, Param]:
+    """The untied output head `[hidden, vocab]` (nothing when tied to the embedding table)."""
+    if cfg.tie_word_embeddings:
+        return {}
+    return {"lm_head": Param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "matrix", "lm_head.weight",
+                             "output.weight")}
+
+
+def attention_params(cfg: ModelConfig, gguf_fix: bool = False) -> dict[str, Param]:
+    """The four attention projections of every layer (HF `self_attn.*_proj`, GGUF `attn_*`); with `gguf_fix` the q
+    and k rows of a GGUF are in llama.cpp's interleaved order (its `llama` architecture)."""
+    n, e = cfg.num_layers, cfg.hidden_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fix = lambda heads: (lambda w, c: unpermute_rope_rows(w, getattr(c, heads))) if gguf_fix else None  # noqa: E731
+    hf = lambda name: f"model.layers.{{i}}.self_attn.{name}_proj.weight"  # noqa: E731
     return {
-        "embed": (cfg.vocab_size, e),
-        "layers": {
-            "attn_norm": (n, e),
-            "wq": (n, e, q),
-            "wk": (n, e, kv),
-            "wv": (n, e, kv),
-            "wo": (n, q, e),
-            "mlp_norm": (n, e),
-            "w_gate": (n, e, f),
-            "w_up": (n, e, f),
-            "w_down": (n, f, e),
-        },
-        "final_norm": (e,),
-        "lm_head": None if cfg.tie_word_embeddings else (e, cfg.vocab_size),
+        "layers.wq": Param((n, e, q), ("layers", "embed", "q_heads"), "matrix", hf("q"), "blk.{i}.attn_q.weight",
+                           from_gguf=fix("num_heads")),
+        "layers.wk": Param((n, e, kv), ("layers", "embed", "kv_heads"), "matrix", hf("k"), "blk.{i}.attn_k.weight",
+                           from_gguf=fix("num_kv_heads")),
+        "layers.wv": Param((n, e, kv), ("layers", "embed", "kv_heads"), "matrix", hf("v"), "blk.{i}.attn_v.weight",
+                           rotate="values"),
+        "layers.wo": Param((n, q, e), ("layers", "q_heads", "embed"), "matrix", hf("o"), "blk.{i}.attn_output.weight",
+                           rotate="attention_out"),
     }
 
 
-def params_from_dict(tree: dict, cfg: LlamaConfig) -> Params:
-    """Builds `Params` from a nested dict shaped like `param_shapes(cfg)`, checking every shape."""
-    shapes = param_shapes(cfg)
-
-    def check(name, arr, shape):
-        if shape is None:
-            return None
-        if arr is None:
-            raise ValueError(f"parameter {name} is missing (expected shape {shape})")
-        if tuple(arr.shape) != tuple(shape):
-            raise ValueError(f"parameter {name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-        return arr
-
-    layers = LayerParams(**{k: check(f"layers.{k}", tree["layers"].get(k), s) for k, s in shapes["layers"].items()})
-    return Params(
-        embed=check("embed", tree.get("embed"), shapes["embed"]),
-        layers=layers,
-        final_norm=check("final_norm", tree.get("final_norm"), shapes["final_norm"]),
-        lm_head=check("lm_head", tree.get("lm_head"), shapes["lm_head"]),
-        config=cfg,
-    )
-
-
-def params_to_dict(params: Params) -> dict:
-    """The inverse of `params_from_dict` (without the config)."""
+def mlp_params(cfg: ModelConfig) -> dict[str, Param]:
+    """The gated MLP's three projections (HF `mlp.*_proj`, GGUF `ffn_*`)."""
+    n, e, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    hf = lambda name: f"model.layers.{{i}}.mlp.{name}_proj.weight"  # noqa: E731
     return {
-        "embed": params.embed,
-        "layers": {k: getattr(params.layers, k) for k in param_shapes(params.config)["layers"]},
-        "final_norm": params.final_norm,
-        "lm_head": params.lm_head,
+        "layers.w_gate": Param((n, e, f), ("layers", "embed", "mlp"), "matrix", hf("gate"), "blk.{i}.ffn_gate.weight"),
+        "layers.w_up": Param((n, e, f), ("layers", "embed", "mlp"), "matrix", hf("up"), "blk.{i}.ffn_up.weight"),
+        "layers.w_down": Param((n, f, e), ("layers", "mlp", "embed"), "matrix", hf("down"), "blk.{i}.ffn_down.weight"),
     }
 
 
-def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random weights with the config's shapes (tests and synthetic benchmarks); norms start at 1."""
-    shapes = param_shapes(cfg)
-    flat = [("embed", shapes["embed"]), ("lm_head", shapes["lm_head"])]
-    flat += [(f"layers.{k}", s) for k, s in shapes["layers"].items()]
-    keys = dict(zip([n for n, _ in flat], jax.random.split(key, len(flat))))
-    tree: dict = {"layers": {}}
-    for name, shape in flat:
-        if shape is None:
-            tree[name] = None
-            continue
-        if name.endswith("norm"):
-            value = jnp.ones(shape, dtype)
-        else:
-            value = (std * jax.random.normal(keys[name], shape, jnp.float32)).astype(dtype)
-        if name.startswith("layers."):
-            tree["layers"][name[len("layers.") :]] = value
-        else:
-            tree[name] = value
-    tree["final_norm"] = jnp.ones(shapes["final_norm"], dtype)
-    return params_from_dict(tree, cfg)
+def norm_param(cfg: ModelConfig, hf: str, gguf: str, init: str = "ones", from_gguf=None) -> Param:
+    """A per-layer norm over the hidden size."""
+    return Param((cfg.num_layers, cfg.hidden_size), ("layers", "embed"), "vector", f"model.layers.{{i}}.{hf}.weight",
+                 f"blk.{{i}}.{gguf}.weight", init, from_gguf)
 
 
-def cast_params(params: Params, dtype) -> Params:
-    """The same parameters in another compute dtype (quantized matrices keep their codes and scales)."""
-    return jax.tree_util.tree_map(lambda a: a if weights.is_quantized(a) else a.astype(dtype), params,
-                                  is_leaf=weights.is_quantized)
+def final_norm_param(cfg: ModelConfig, init: str = "ones", from_gguf=None) -> Param:
+    return Param((cfg.hidden_size,), ("embed",), "vector", "model.norm.weight", "output_norm.weight", init, from_gguf)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, result in x's dtype (as transformers computes it)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+def params(cfg: ModelConfig) -> dict[str, Param]:
+    """Every leaf of a Llama / Mistral model (models/registry.py `Param`)."""
+    return {
+        "embed": embed_param(cfg),
+        "layers.attn_norm": norm_param(cfg, "input_layernorm", "attn_norm"),
+        **attention_params(cfg, gguf_fix=True),
+        "layers.mlp_norm": norm_param(cfg, "post_attention_layernorm", "ffn_norm"),
+        **mlp_params(cfg),
+        "final_norm": final_norm_param(cfg),
+        **lm_head_param(cfg),
+    }
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
-    """Inverse frequencies `[head_dim // 2]` (float32), with linear or llama3-style scaling."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    if cfg.rope_type == "linear":
-        return inv / cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        old_len = cfg.rope_original_max_position
-        wavelen = 2 * math.pi / inv
-        scaled = jnp.where(wavelen > old_len / lo, inv / factor, inv)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        return jnp.where(medium, smoothed, scaled)
-    return inv
+def heads(x: jax.Array, n: int, head_dim: int) -> jax.Array:
+    """`[batch, T, n * head_dim]` -> `[batch, T, n, head_dim]`."""
+    return x.reshape(*x.shape[:2], n, head_dim)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates `x [batch, tokens, heads, head_dim]` by `positions [batch, tokens]` (half-split layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, head_dim // 2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, tokens, 1, head_dim]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+def block(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attend):
+    """One Llama layer: `x + attn(norm(x))`, then `x + mlp(norm(x))` with SwiGLU."""
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q, k, v = weights.dot_many(h, (lp.wq, lp.wk, lp.wv))
+    d = cfg.head_dim
+    attn, update = attend(heads(q, cfg.num_heads, d), heads(k, cfg.num_kv_heads, d), heads(v, cfg.num_kv_heads, d))
+    x = x + weights.dot(attn.reshape(*x.shape[:2], cfg.num_heads * d), lp.wo)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gate, up = weights.dot_many(h, (lp.w_gate, lp.w_up))
+    x = x + weights.dot(jax.nn.silu(gate) * up, lp.w_down)
+    return x, update
 
 
-@dataclasses.dataclass(frozen=True)
-class Rotary:
-    """The rotary function a layer hands its cache: `rope(x, positions)`; `inv_freq [head_dim // 2]` for a cache that
-    rotates stored keys itself (a pre-RoPE store)."""
-
-    inv_freq: jax.Array
-
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        return apply_rope(x, positions, self.inv_freq)
-
-
-class NoCache:
-    """Stands in for a cache when scoring a whole sequence at once: attention over the given tokens only (also the
-    base of test and diagnostic stand-ins that override `attend`)."""
-
-    def __init__(self, batch: int, tokens: int):
-        self.length = jnp.zeros((batch,), jnp.int32)
-        self.error_flags = jnp.zeros((batch,), jnp.int32)
-        self.max_tokens = tokens
-
-    def attend(self, layer, q, k, v, positions, rope, num_new, window):
-        return causal_attention(q, rope(k, positions), v, num_new, window), None
-
-    def commit(self, updates, num_new):
-        return self
-
-    def replace(self, **changes):
-        for name, value in changes.items():
-            setattr(self, name, value)
-        return self
-
-
-def _concrete(x):
-    """x as a numpy array, or None when it is traced (under jit)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def check_inputs(tokens: jax.Array, num_new: jax.Array, logits_at, cache: KVCache, vocab: int) -> jax.Array:
-    """`[batch]` bool: sequences given bad input (a real token id outside `[0, vocab)`, `num_new` outside `[0, T]`).
-    With concrete inputs (no jit) bad input, or more tokens than the cache holds, raises at once; traced, the
-    caller flags the sequence instead."""
-    n_tok = tokens.shape[1]
-    real = jnp.arange(n_tok)[None, :] < num_new[:, None]
-    bad = jnp.any(real & ((tokens < 0) | (tokens >= vocab)), axis=1) | (num_new < 0) | (num_new > n_tok)  # [batch]
-    length, n, at = _concrete(cache.length), _concrete(num_new), None if logits_at is None else _concrete(logits_at)
-    if n is not None and ((n < 0) | (n > n_tok)).any():
-        raise ValueError(f"num_new={n.tolist()} must count real tokens of each sequence, between 0 and {n_tok}")
-    if at is not None and ((at < 0) | (at >= n_tok)).any():
-        raise ValueError(f"logits_at={at.tolist()} must pick a token index in [0, {n_tok})")
-    bad_now = _concrete(bad)
-    if bad_now is not None and bad_now.any():
-        ids = np.asarray(tokens)[np.asarray(real)]
-        wrong = sorted({int(t) for t in ids if not 0 <= t < vocab})
-        raise ValueError(f"token ids {wrong[:5]} in sequences {np.flatnonzero(bad_now).tolist()} are outside the "
-                         f"vocabulary [0, {vocab})")
-    if length is not None and n is not None:
-        over = np.flatnonzero(length + n > cache.max_tokens)
-        if over.size:
-            b = int(over[0])
-            raise CacheCapacityError(
-                f"sequence {b} holds {int(length[b])} tokens and gets {int(n[b])} more, past the cache's "
-                f"{cache.max_tokens}; allocate a larger cache (make_cache(..., max_tokens>={int(length[b] + n[b])})) "
-                "or grow it (cache.grown(max_tokens))")
-    return bad
-
-
-def check_value_basis(params: Params, cache) -> None:
-    """A cache that quantizes values in a rotated basis needs params whose projections carry it, and a cache that
-    does not needs params that do not (else the stored values silently differ); the full cache takes either."""
-    wanted = getattr(cache, "value_basis", None)
-    if wanted is not None and wanted != params.value_basis:
-        basis = lambda name: f"the {name} basis" if name else "the model's own basis"
-        raise ValueError(
-            f"the cache quantizes values in {basis(wanted)} but the params produce values in "
-            f"{basis(params.value_basis)}; prepare them for this cache with "
-            "kivi_jax.rotation.prepare_params(params, spec) from the unrotated params")
-
-
-def forward(
-    params: Params,
-    tokens: jax.Array,
-    cache: KVCache | None = None,
-    num_new: jax.Array | None = None,
-    logits_at: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+def llama_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None):
     """Runs the decoder over `tokens [batch, T]` placed after what `cache` holds (any T, any cache state).
 
     `num_new [batch]` counts the real tokens of a right-padded `tokens` (default all T; 0 leaves a sequence as it
@@ -265,52 +137,31 @@ def forward(
     cache (None when none was given). A sequence with an out-of-range token id, or more tokens than the cache
     holds, gets NaN logits and a bit in `cache.error_flags` (raised at once when called outside `jit`).
     """
-    cfg = params.config
-    batch, n_tok = tokens.shape
-    dtype = params.dtype
-    given = cache
-    if cache is None:
-        cache = NoCache(batch, n_tok)
-    check_value_basis(params, cache)
-    num_new = jnp.full((batch,), n_tok, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
-    bad_tokens = check_inputs(tokens, num_new, logits_at, cache, cfg.vocab_size)
-    num_new = jnp.clip(num_new, 0, n_tok)
-    positions = cache.length[:, None] + jnp.arange(n_tok, dtype=jnp.int32)[None, :]  # [batch, T]
-    rope = Rotary(rope_inv_freq(cfg))
-    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return decode(params, tokens, cache, num_new, logits_at, block)
 
-    dot = weights.dot
-    # Float leaves are sliced by the scan; quantized ones stay whole and are read at the layer index (no copy).
-    sliced, whole = weights.split_stacked(params.layers)
 
-    def layer_step(x, xs):
-        lp, layer = xs
-        lp = weights.join_layer(lp, whole, layer)
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = weights.dot_many(h, (lp.wq, lp.wk, lp.wv))
-        q = q.reshape(batch, n_tok, heads, head_dim)
-        k = k.reshape(batch, n_tok, kv_heads, head_dim)
-        v = v.reshape(batch, n_tok, kv_heads, head_dim)
-        attn, update = cache.attend(layer, rope(q, positions), k, v, positions, rope, num_new, cfg.sliding_window)
-        x = x + dot(attn.reshape(batch, n_tok, heads * head_dim), lp.wo)
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate, up = weights.dot_many(h, (lp.w_gate, lp.w_up))
-        x = x + dot(jax.nn.silu(gate) * up, lp.w_down)
-        return x, update
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A Llama / Mistral `config.json` dict -> ModelConfig, refusing what these models do not have."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise UnsupportedModelError(f"{flag}=true is not supported (Llama/Mistral checkpoints have no biases)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported; Llama/Mistral use 'silu'")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise UnsupportedModelError("pretraining_tp != 1 is not supported")
+    window = hf.get("sliding_window") if hf["model_type"] == "mistral" else None
+    if hf.get("use_sliding_window") is False:
+        window = None
+    return ModelConfig(**hf_common(hf), sliding_window=int(window) if window else None)
 
-    x = weights.table_rows(params.embed, jnp.clip(tokens, 0, cfg.vocab_size - 1), dtype)  # [batch, T, hidden]
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    # The cache is only read inside the loop; every layer's update comes out stacked and is written once after it.
-    x, updates = jax.lax.scan(layer_step, x, (sliced, layer_ids))
-    cache = cache.commit(updates, num_new)
-    cache = cache.replace(error_flags=cache.error_flags | jnp.where(bad_tokens, BAD_TOKEN, 0).astype(jnp.int32))
-    if logits_at is not None:
-        x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)  # [batch, 1, hidden]
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    if params.lm_head is None:
-        logits = weights.dot_table(x, params.embed)  # [batch, T, vocab] float32
-    else:
-        logits = weights.dot_head(x, params.lm_head)
-    poisoned = (cache.error_flags & POISON) != 0  # [batch]
-    logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
-    return logits, (cache if given is not None else None)
+
+def config_from_gguf(get) -> ModelConfig:
+    return ModelConfig(**gguf_common(get, "llama"))
+
+
+ARCHITECTURE = register(Architecture(
+    name="llama", model_types=("llama", "mistral"), hf_classes=("LlamaForCausalLM", "MistralForCausalLM"),
+    gguf_name="llama", layers=LayerParams, params=params, config_from_hf=config_from_hf,
+    config_from_gguf=config_from_gguf, forward=llama_forward,
+))

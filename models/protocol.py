@@ -31,9 +31,10 @@ class CacheCapacityError(ValueError):
 class KVCache(Protocol):
     """A stacked per-layer key/value store with one token counter per sequence.
 
-    Shapes: q `[batch, T, q_heads, head_dim]` (after RoPE, unscaled), k and v `[batch, T, kv_heads, head_dim]` (k
-    before RoPE), positions `[batch, T]` (`length + [0, T)`), num_new `[batch]` real tokens of the right-padded T
-    (0 allowed: that sequence is left as it was); the answer is `[batch, T, q_heads, head_dim]` in q's dtype.
+    Shapes: q `[batch, T, q_heads, head_dim]` (after RoPE; pre-scaled by the model when its scores are not q.k /
+    sqrt(head_dim)), k and v `[batch, T, kv_heads, head_dim]` (k before RoPE), positions `[batch, T]` (`length +
+    [0, T)`), num_new `[batch]` real tokens of the right-padded T (0 allowed: that sequence is left as it was); the
+    answer is `[batch, T, q_heads, head_dim]` in q's dtype.
     """
 
     length: jax.Array  # [batch] int32: tokens already in the cache per sequence
@@ -44,10 +45,12 @@ class KVCache(Protocol):
 
     def attend(
         self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, rope: Rope,
-        num_new: jax.Array, window: int | None,
+        num_new: jax.Array, window: int | None, softcap: float | None = None,
     ) -> tuple[jax.Array, Any]:
-        """The new tokens attend to what the cache holds *as stored* plus themselves, causally, in full precision.
-        Returns the answer and this layer's update, which `commit` writes."""
+        """The new tokens attend to what the cache holds *as stored* plus themselves, causally, in full precision:
+        `softmax(cap(q.k / sqrt(head_dim)))` over the keys inside `window` (None: every earlier key), where `cap(s) =
+        softcap * tanh(s / softcap)` (None: no cap). Returns the answer and this layer's update, which `commit`
+        writes. `window` and `softcap` are static: a model whose layers differ calls each layer with its own."""
         ...
 
     def commit(self: C, updates: Any, num_new: jax.Array) -> C:

@@ -33,7 +33,9 @@ class SimulatedKIVI(NoCache):
         super().__init__(batch, tokens)
         self.prefill, self.kivi = prefill, kivi
 
-    def attend(self, layer, q, k, v, positions, rope, num_new, window):
+    def attend(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
+        if softcap is not None:
+            raise NotImplementedError("the simulation does not soft-cap attention logits")
         k = rope(k, positions)
         kivi = self.kivi
         batch, tokens, q_heads, d = q.shape

@@ -41,20 +41,23 @@ def seen_keys_values(cache, layer: int, inv_freq=None):
     return k, v
 
 
-def dense_kivi_decode(q, cache, layer: int, k_new, v_new, window=None, inv_freq=None):
+def dense_kivi_decode(q, cache, layer: int, k_new, v_new, window=None, inv_freq=None, softcap=None):
     """Decode attention over one layer of a KIVI cache, dequantizing everything (materialized; tests only)."""
     k, v = seen_keys_values(cache, layer, inv_freq)
-    return dense_decode(q, k, v, cache.length, k_new, v_new, window)
+    return dense_decode(q, k, v, cache.length, k_new, v_new, window, softcap)
 
 
-def dense_decode(q, k, v, length, k_new, v_new, window=None):
-    """q `[batch, 1, q_heads, D]`, k/v `[batch, kv_heads, tokens, D]` holding `length` tokens, plus the new token."""
+def dense_decode(q, k, v, length, k_new, v_new, window=None, softcap=None):
+    """q `[batch, 1, q_heads, D]`, k/v `[batch, kv_heads, tokens, D]` holding `length` tokens, plus the new token;
+    scores soft-capped by `softcap` (`cap * tanh(s / cap)`) when given."""
     batch, _, q_heads, d = q.shape
     kv_heads, tokens = k.shape[1], k.shape[2]
     k = jnp.concatenate([k, jnp.moveaxis(k_new, 1, 2).astype(jnp.float32)], axis=2)  # new token at index `tokens`
     v = jnp.concatenate([v, jnp.moveaxis(v_new, 1, 2).astype(jnp.float32)], axis=2)
     qg = q[:, 0].astype(jnp.float32).reshape(batch, kv_heads, q_heads // kv_heads, d) / jnp.sqrt(jnp.float32(d))
     scores = jnp.einsum("bhrd,bhtd->bhrt", qg, k, precision="highest")
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     pos = jnp.concatenate([jnp.arange(tokens)[None, :] + jnp.zeros_like(length)[:, None], length[:, None]], axis=1)
     valid = jnp.concatenate([jnp.arange(tokens)[None, :] < length[:, None], jnp.ones_like(length[:, None], bool)], 1)
     if window is not None:

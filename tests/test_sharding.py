@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from kivi_jax import sharding
 from kivi_jax.bench import PRESETS
 from kivi_jax.cache import make_cache
+from kivi_jax.models import registry
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import init_params
 
@@ -98,7 +99,7 @@ def test_param_specs_follow_the_table():
     assert specs.layers.wo == P(None, "model") and specs.layers.w_down == P(None, "model")
     assert specs.layers.w_gate == P(None, None, "model") and specs.embed == P("model")
     assert specs.lm_head == P(None, "model") and specs.final_norm == P() and specs.layers.attn_norm == P()
-    assert set(sharding.PARAM_AXES) == set(sharding.param_axes(params))
+    assert set(registry.param_table(TINY)) == set(sharding.param_axes(params))  # every leaf has declared axes
     # quantized leaves take their float leaf's axes, a projection's rows (output units) first: codes, scales and
     # mins alike (abstract params, nothing quantized)
     from kivi_jax import weights
@@ -201,7 +202,9 @@ def test_sharded_prefill_and_decode_equal_one_device(devices8):
     rows = devices8["parity"]
     assert {(r["model"], r["spec"], r["mesh"]) for r in rows} >= {
         (m, s, mesh) for m in ("llama", "mistral") for s in ("full", "k2v2-g32-r32")
-        for mesh in ("data=8,model=1", "data=2,model=4", "data=1,model=8")}
+        for mesh in ("data=8,model=1", "data=2,model=4", "data=1,model=8")} | {
+        (m, "k2v2-g32-r32", "data=2,model=4") for m in ("qwen2", "qwen3", "gemma2")} | {
+        ("gemma2", "full", "data=2,model=4")}
     for r in rows:
         what = f"{r['model']} {r['spec']} on {r['mesh']}"
         assert r["tokens_equal"], what  # greedy tokens of the free-running generation
