@@ -216,7 +216,8 @@ def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, bl
 
 def unpack_codes(store) -> jax.Array:
     """float32 `[batch, kv_heads, tokens, head_dim]`: a store block's codes in channel order, in one fused loop per
-    plane (3-bit codes: the 2-bit plane plus 4 times the 1-bit plane; quant's module doc)."""
+    plane (3-bit codes: the 2-bit plane plus 4 times the 1-bit plane; quant's module doc); with a codebook, the
+    level each code stands for (`code_levels`)."""
     out, start, shift = None, 0, 0
     width = store.codes.shape[-1]
     head_dim = width * 8 // store.bits
@@ -225,6 +226,15 @@ def unpack_codes(store) -> jax.Array:
         plane = unpack_plane(store.codes[..., start : start + n], b)
         out = plane if out is None else out + plane * float(2**shift)
         start, shift = start + n, shift + b
+    return out if store.levels is None else code_levels(out, store.levels)
+
+
+def code_levels(codes: jax.Array, levels: tuple) -> jax.Array:
+    """float32 codes `0 .. n-1` (exact) -> the levels they stand for, by `n - 1` selects (elementwise, fused; a gather
+    from a table is a slow loop on XLA:CPU)."""
+    out = jnp.full(codes.shape, levels[0], jnp.float32)
+    for j in range(1, len(levels)):
+        out = jnp.where(codes >= j - 0.5, jnp.float32(levels[j]), out)
     return out
 
 
@@ -473,6 +483,7 @@ def use_native(impl: str, full: bool = False) -> bool:
     return impl in ("auto", "native") and native.available()
 
 
+CODEBOOK_REASON = "the Pallas kernels read uniform codes, not codebook levels (-nuqk/-nuqv): the XLA path serves them"
 SOFTCAP_REASON = "no kernel soft-caps attention logits (Gemma 2)"
 
 
@@ -549,14 +560,16 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     Rings and sinks come stacked like the stores (`[layers, batch, kv_heads, R or S, head_dim]`, or one layer with
     `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel of the backend (`pallas_target`: TPU, Mosaic
     GPU or Triton) reads them and the stores in place and masks the sliding window. Configurations it does not serve
-    (`unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims) and soft-capped logits run the
-    XLA path; every kernel reads sinks and pre-RoPE keys.
+    (`unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims; codebooks), and soft-capped logits,
+    run the XLA path; every kernel reads sinks and pre-RoPE keys, the native one codebooks too.
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
     if softcap is not None:
         fall_back(impl, SOFTCAP_REASON)
+    elif use_pallas(impl, tpu_kernel=True) and (k_store.levels is not None or v_store.levels is not None):
+        fall_back(impl, CODEBOOK_REASON)
     elif use_pallas(impl, tpu_kernel=True):
         for kernel in kivi_kernels(pallas_target()):
             reason = kernel.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,

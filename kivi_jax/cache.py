@@ -160,6 +160,7 @@ class QuantStore:
 
     `axis="channel"`: groups of G tokens per channel, quantized in whole R-token blocks (scale `[..., tokens // G, D]`).
     `axis="token"`: groups of G channels per token, quantized one token at a time (scale `[..., tokens, D // G]`).
+    `levels`: the codebook of non-uniform codes (`kivi_jax.codebook`), None for uniform ones.
     """
 
     codes: jax.Array  # [(layers,) batch, kv_heads, max_tokens, head_dim * bits / 8] uint8, planar-packed
@@ -168,9 +169,11 @@ class QuantStore:
     bits: int = struct.field(pytree_node=False)
     group_size: int = struct.field(pytree_node=False)
     axis: str = struct.field(pytree_node=False)
+    levels: tuple | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def zeros(cls, lead: tuple, max_tokens: int, head_dim: int, bits: int, group_size: int, axis: str, scale_dtype):
+    def zeros(cls, lead: tuple, max_tokens: int, head_dim: int, bits: int, group_size: int, axis: str, scale_dtype,
+              levels: tuple | None = None):
         if axis == "channel":
             scale_shape = lead + (max_tokens // group_size, head_dim)
         else:
@@ -182,6 +185,7 @@ class QuantStore:
             bits=bits,
             group_size=group_size,
             axis=axis,
+            levels=quant.check_levels(levels, bits),
         )
 
     @property
@@ -195,7 +199,7 @@ class QuantStore:
     def quantize(self, x: jax.Array) -> Quantized:
         """`x [..., tokens, head_dim]` -> codes, scales and mins on this store's axis."""
         fn = quant.quantize_per_channel if self.axis == "channel" else quant.quantize_per_token
-        return Quantized(*fn(x, self.bits, self.group_size, self.scale.dtype))
+        return Quantized(*fn(x, self.bits, self.group_size, self.scale.dtype, self.levels))
 
     def append_start(self, length: jax.Array, residual: int) -> jax.Array:
         """`[batch]`: the first token position an append onto `length` tokens may quantize: the token leaving the ring
@@ -222,7 +226,7 @@ class QuantStore:
     def dequantize(self) -> jax.Array:
         """Every token of a one-layer store in float32 `[batch, kv_heads, max_tokens, head_dim]` (references, tests)."""
         fn = quant.dequantize_per_channel if self.axis == "channel" else quant.dequantize_per_token
-        return fn(self.codes, self.scale, self.mn, self.bits, self.group_size)
+        return fn(self.codes, self.scale, self.mn, self.bits, self.group_size, self.levels)
 
     def token_slice(self, start: jax.Array, size: int, layer=None) -> "QuantStore":
         """Tokens `[start, start + size)` of one layer (`layer` of a stacked store, or all of a one-layer store) as a
@@ -328,9 +332,10 @@ class KIVICache:
         d, r = cfg.head_dim, kivi.residual_length
         sink = (lambda: jnp.zeros(lead + (kivi.sinks, d), dtype)) if kivi.sinks else (lambda: None)
         return cls(
-            k=QuantStore.zeros(lead, max_tokens, d, kivi.k_bits, kivi.store_group(kivi.key_axis, d), kivi.key_axis, sd),
+            k=QuantStore.zeros(lead, max_tokens, d, kivi.k_bits, kivi.store_group(kivi.key_axis, d), kivi.key_axis, sd,
+                               kivi.levels("key")),
             v=QuantStore.zeros(lead, max_tokens, d, kivi.v_bits, kivi.store_group(kivi.value_axis, d), kivi.value_axis,
-                               sd),
+                               sd, kivi.levels("value")),
             k_ring=jnp.zeros(lead + (r, d), dtype),
             v_ring=jnp.zeros(lead + (r, d), dtype),
             length=jnp.zeros((batch,), jnp.int32),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from kivi_jax import codebook
 from kivi_jax.quant import SCALE_DTYPES, SUPPORTED_BITS, pack_multiple
 
 AXES = ("channel", "token")
@@ -22,7 +23,8 @@ class KIVIConfig:
     dequantization; `sinks` keeps the first S tokens' keys and values in full precision; `rotate_values` quantizes
     values in a per-head orthogonal basis folded into the value and output projections (`kivi_jax.rotation`);
     `rotate_keys` rotates queries and keys by the same basis every step (measured, see docs/quality.md);
-    `first_layers = n` stores layers `[0, n)` with `first_k_bits` / `first_v_bits` instead (per-layer bits).
+    `first_layers = n` stores layers `[0, n)` with `first_k_bits` / `first_v_bits` instead (per-layer bits);
+    `k_codebook` / `v_codebook` give keys / values non-uniform codes, the calibrated levels of `kivi_jax.codebook`.
     """
 
     k_bits: int = 2
@@ -39,6 +41,8 @@ class KIVIConfig:
     first_layers: int = 0
     first_k_bits: int = 0
     first_v_bits: int = 0
+    k_codebook: bool = False
+    v_codebook: bool = False
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -59,7 +63,7 @@ class KIVIConfig:
             raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {tuple(SCALE_DTYPES)}")
         if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
             raise ValueError(f"sinks={self.sinks!r} must be a whole number of tokens >= 0 (e.g. 4)")
-        for name in ("pre_rope", "rotate_values", "rotate_keys"):
+        for name in ("pre_rope", "rotate_values", "rotate_keys", "k_codebook", "v_codebook"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.first_layers, int) or self.first_layers < 0:
@@ -71,6 +75,12 @@ class KIVIConfig:
                                      f"layers; choose one of {SUPPORTED_BITS}")
         elif self.first_k_bits or self.first_v_bits:
             raise ValueError("first_k_bits/first_v_bits need first_layers > 0 (the layers they apply to)")
+        for on, role, bits in ((self.k_codebook, "key", (self.k_bits, self.first_k_bits)),
+                               (self.v_codebook, "value", (self.v_bits, self.first_v_bits))):
+            for b in bits[: 1 + bool(self.first_layers)] if on else ():
+                if b not in codebook.supported_bits(role):
+                    raise ValueError(f"-nuq{role[0]} has no calibrated {b}-bit {role} codebook; choose {role} bits in "
+                                     f"{codebook.supported_bits(role)} (kivi_jax/codebook.py) or drop -nuq{role[0]}")
         if self.rotate_keys and self.pre_rope:
             raise ValueError("rotate_keys rotates keys after RoPE; it cannot be combined with pre_rope (drop one)")
 
@@ -105,25 +115,22 @@ class KIVIConfig:
 
     @property
     def spec(self) -> str:
-        """The canonical spec string, e.g. `k2v2-g32-r128`."""
-        s = f"k{self.k_bits}v{self.v_bits}-g{self.group_size}-r{self.residual_length}"
-        if self.key_axis == "token":
-            s += "-ktok"
-        if self.value_axis == "channel":
-            s += "-vchan"
-        if self.scale_dtype != "float16":
-            s += {"float32": "-sf32", "bfloat16": "-sbf16"}[self.scale_dtype]
-        if self.pre_rope:
-            s += "-prerope"
-        if self.sinks:
-            s += f"-s{self.sinks}"
-        if self.rotate_values:
-            s += "-rotv"
-        if self.rotate_keys:
-            s += "-rotk"
-        if self.first_layers:
-            s += f"-l{self.first_layers}k{self.first_k_bits}v{self.first_v_bits}"
+        """The canonical spec string, e.g. `k2v2-g32-r128` (printed from `SUFFIXES`, in its order)."""
+        s = f"k{self.k_bits}v{self.v_bits}"
+        for suffix, field, value in SUFFIXES:
+            if value is int:  # a number: G and R always, others when set
+                n = getattr(self, field)
+                s += f"-{suffix}{n}" if n or field in ("group_size", "residual_length") else ""
+            elif isinstance(field, tuple):  # per-layer bits
+                s += f"-{value.format(*(getattr(self, f) for f in field))}" if getattr(self, field[0]) else ""
+            elif getattr(self, field) == value:
+                s += f"-{suffix}"
         return s
+
+    def levels(self, role: str) -> tuple[float, ...] | None:
+        """The codebook of the key or value store (`role`), or None for uniform codes."""
+        on = {"key": self.k_codebook, "value": self.v_codebook}[role]
+        return codebook.levels(role, self.k_bits if role == "key" else self.v_bits) if on else None
 
     def first(self) -> "KIVIConfig":
         """The configuration of the first `first_layers` layers (their bits, everything else shared)."""
@@ -163,6 +170,32 @@ def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = 
     return total / 2 + sinks
 
 
+# The spec grammar, one table for parsing and printing, in the order a canonical spec prints its suffixes: (suffix,
+# field, value). `int`: the number after the suffix (`-g64`); a tuple of fields: `-l<n>k<b>v<b>` (per-layer bits);
+# otherwise a flag that sets the field to the value.
+SUFFIXES = (
+    ("g", "group_size", int),
+    ("r", "residual_length", int),
+    ("ktok", "key_axis", "token"),
+    ("vchan", "value_axis", "channel"),
+    ("sf32", "scale_dtype", "float32"),
+    ("sbf16", "scale_dtype", "bfloat16"),
+    ("prerope", "pre_rope", True),
+    ("s", "sinks", int),
+    ("rotv", "rotate_values", True),
+    ("rotk", "rotate_keys", True),
+    ("l", ("first_layers", "first_k_bits", "first_v_bits"), "l{}k{}v{}"),
+    ("nuqk", "k_codebook", True),
+    ("nuqv", "v_codebook", True),
+)
+FLAGS = {suffix: (field, value) for suffix, field, value in SUFFIXES if value is not int and isinstance(field, str)}
+NUMBERS = {suffix: field for suffix, field, value in SUFFIXES if value is int}
+_LAYERS = re.compile(r"^l(\d+)k(\d+)v(\d+)$")
+_NUMBER = re.compile(r"^([a-z]+)(\d+)$")
+_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:" + "|".join(
+    [re.escape(f) for f in FLAGS] + [f"{n}\\d+" for n in NUMBERS] + [r"l\d+k\d+v\d+"]) + r"))*)$")
+
+
 ALIASES = {
     "kivi2": KIVIConfig(2, 2, 32, 128),
     "kivi4": KIVIConfig(4, 4, 32, 128),
@@ -170,27 +203,27 @@ ALIASES = {
     # a value (codes, scales, mins and sinks)
     "kivi2+": KIVIConfig(3, 2, 64, 128, pre_rope=True, sinks=4, rotate_values=True),
     "kivi3+": KIVIConfig(4, 3, 64, 128, pre_rope=True, sinks=4, rotate_values=True),
+    # within 2.6 bits a value at 32K tokens, ring included (docs/quality.md, "kivi2.5"): 2-bit keys and values with
+    # the calibrated codebooks of kivi_jax/codebook.py
+    "kivi2.5": KIVIConfig(2, 2, 64, 64, pre_rope=True, sinks=4, rotate_values=True, k_codebook=True,
+                          v_codebook=True),
 }
 
 SPEC_HELP = (
     "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
-    f"'kivi2+' (= {ALIASES['kivi2+'].spec}) and 'kivi3+' (= {ALIASES['kivi3+'].spec}), beyond KIVI; "
-    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk][-l<n>k<b>v<b>] "
+    f"'kivi2+' (= {ALIASES['kivi2+'].spec}), 'kivi3+' (= {ALIASES['kivi3+'].spec}) and 'kivi2.5' "
+    f"(= {ALIASES['kivi2.5'].spec}), beyond KIVI; "
+    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk][-l<n>k<b>v<b>]"
+    "[-nuqk][-nuqv] "
     "with bits in "
     "{2,3,4,8}, group size G (default 32: tokens per group for per-channel stores, channels, at most head_dim, for "
     "per-token ones) and residual length R (default 128, a multiple of G), e.g. k4v2-g64-r128; "
     "-ktok quantizes keys per-token and -vchan values per-channel (the axis ablation); -sf32/-sbf16 store scales "
     "and mins in float32/bfloat16 instead of float16; -prerope quantizes keys before RoPE; -s<S> keeps the first S "
     "tokens in full precision; -rotv quantizes values in a rotated basis; -rotk rotates queries and keys; "
-    "-l<n>k<b>v<b> stores the first n layers with other key/value bits (e.g. -l2k4v4)"
+    "-l<n>k<b>v<b> stores the first n layers with other key/value bits (e.g. -l2k4v4); -nuqk/-nuqv give keys/values "
+    "non-uniform codes (calibrated codebooks, kivi_jax/codebook.py)"
 )
-
-_SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:g\d+|r\d+|ktok|vchan|sf32|sbf16|s\d+|prerope|rotv|rotk|l\d+k\d+v\d+))*)$")
-_LAYERS = re.compile(r"^l(\d+)k(\d+)v(\d+)$")
-FLAGS = {"ktok": ("key_axis", "token"), "vchan": ("value_axis", "channel"), "sf32": ("scale_dtype", "float32"),
-         "sbf16": ("scale_dtype", "bfloat16"), "prerope": ("pre_rope", True), "rotv": ("rotate_values", True),
-         "rotk": ("rotate_keys", True)}
-
 
 def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
     """'full', an alias or a spec string -> 'full' or a KIVIConfig; a KIVIConfig passes through."""
@@ -216,7 +249,8 @@ def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
             kw.update(first_layers=int(layers.group(1)), first_k_bits=int(layers.group(2)),
                       first_v_bits=int(layers.group(3)))
             continue
-        key, value = FLAGS.get(o) or ({"g": "group_size", "r": "residual_length", "s": "sinks"}[o[0]], int(o[1:]))
+        number = _NUMBER.match(o)
+        key, value = FLAGS.get(o) or (NUMBERS[number.group(1)], int(number.group(2)))
         if key in kw:
             raise ValueError(f"bad cache spec {spec!r}: {key} given twice")
         kw[key] = value

@@ -290,7 +290,8 @@ def describe(spec: str, head_dim: int | None = None, tokens: int | None = None, 
     options = [name for on, name in ((cfg.pre_rope, "pre-RoPE"), (cfg.sinks, f"{cfg.sinks} sinks"),
                                      (cfg.rotate_values, "rotated values"), (cfg.rotate_keys, "rotated keys"),
                                      (cfg.first_layers, f"first {cfg.first_layers} layers k{cfg.first_k_bits}"
-                                                        f"v{cfg.first_v_bits}")) if on]
+                                                        f"v{cfg.first_v_bits}"),
+                                     (cfg.k_codebook, "key codebook"), (cfg.v_codebook, "value codebook")) if on]
     row = {"keys": f"{cfg.k_bits}-bit per-{cfg.key_axis}", "values": f"{cfg.v_bits}-bit per-{cfg.value_axis}",
            "G": cfg.group_size, "R": cfg.residual_length, "options": ", ".join(options)}
     if head_dim is not None:

@@ -6,6 +6,11 @@ A group of `group_size` consecutive elements along one axis shares a (scale, min
 against the stored values, so the grid the codes index is exactly the one dequantization uses. A zero range (or one
 that underflows the storage dtype) stores scale 1, so a constant group comes back exactly as its stored min.
 
+Non-uniform codes (`levels`, a codebook of `2**bits` ascending levels in units of the scale above the min, e.g.
+`(0.5, 1.2, 1.8, 2.5)` for 2 bits; `kivi_jax.codebook`): the same (scale, min) a group, but code `c` stands for
+`x_hat = levels[c] * scale + min`, and a value takes the nearest level (`code = #{j : u > (levels[j] + levels[j+1]) /
+2}` with `u = (x - min) / scale`). Uniform codes are the levels `(0, 1, ..., 2**bits - 1)` with ties to even.
+
 Per-channel (KIVI's keys): groups run along the token axis, one (scale, min) per channel per `group_size` tokens.
 Per-token (KIVI's values): groups run along the channel axis, one (scale, min) per token per `group_size` channels.
 
@@ -41,13 +46,33 @@ def pack_multiple(bits: int) -> int:
     return max(8 // b for b in PLANES[check_bits(bits)])
 
 
-def quantize(x: jax.Array, bits: int, group_size: int, axis: int, scale_dtype=jnp.float16):
-    """Quantizes `x` in groups of `group_size` consecutive elements along `axis`.
+def check_levels(levels, bits: int) -> tuple | None:
+    """`levels` (None: uniform codes) as a tuple of `2**bits` ascending floats, or a clear error."""
+    if levels is None:
+        return None
+    levels = tuple(float(x) for x in levels)
+    if len(levels) != 2 ** check_bits(bits) or any(b <= a for a, b in zip(levels, levels[1:])):
+        raise ValueError(f"a {bits}-bit codebook needs {2 ** bits} strictly ascending levels, not {levels}")
+    return levels
+
+
+def nearest_level(u: jax.Array, levels: tuple) -> jax.Array:
+    """uint8 codes of the nearest of `levels` (ascending) to `u` (in scale units above the min)."""
+    codes = jnp.zeros(u.shape, jnp.uint8)
+    for a, b in zip(levels, levels[1:]):
+        codes = codes + (u > jnp.float32((a + b) / 2)).astype(jnp.uint8)
+    return codes
+
+
+def quantize(x: jax.Array, bits: int, group_size: int, axis: int, scale_dtype=jnp.float16, levels=None):
+    """Quantizes `x` in groups of `group_size` consecutive elements along `axis` (`levels`: a non-uniform codebook,
+    module doc; None for uniform codes).
 
     Returns `(codes, scale, mn)`: codes uint8 with x's shape (one code a byte, unpacked); scale and mn in
     `scale_dtype` with x's shape except `axis`, which has `x.shape[axis] // group_size` groups.
     """
-    levels = 2 ** check_bits(bits) - 1
+    levels = check_levels(levels, bits)
+    top = 2 ** bits - 1
     axis = axis % x.ndim
     n = x.shape[axis]
     if n % group_size:
@@ -57,20 +82,26 @@ def quantize(x: jax.Array, bits: int, group_size: int, axis: int, scale_dtype=jn
     mn = jnp.min(xg, axis=axis + 1)
     mx = jnp.max(xg, axis=axis + 1)
     mn_s = mn.astype(scale_dtype)
-    scale_s = ((mx - mn) / levels).astype(scale_dtype)
+    scale_s = ((mx - mn) / top).astype(scale_dtype)
     scale_s = jnp.where(scale_s == 0, jnp.ones((), scale_dtype), scale_s)
     mn_f = jnp.expand_dims(mn_s.astype(jnp.float32), axis + 1)
     scale_f = jnp.expand_dims(scale_s.astype(jnp.float32), axis + 1)
-    codes = jnp.clip(jnp.round((xg - mn_f) / scale_f), 0, levels).astype(jnp.uint8)
+    if levels is None:
+        codes = jnp.clip(jnp.round((xg - mn_f) / scale_f), 0, top).astype(jnp.uint8)
+    else:
+        codes = nearest_level((xg - mn_f) / scale_f, levels)
     return codes.reshape(x.shape), scale_s, mn_s
 
 
-def dequantize(codes: jax.Array, scale: jax.Array, mn: jax.Array, group_size: int, axis: int) -> jax.Array:
-    """float32 `codes * scale + mn`, with scale and mn broadcast over their groups along `axis`."""
+def dequantize(codes: jax.Array, scale: jax.Array, mn: jax.Array, group_size: int, axis: int,
+               levels=None) -> jax.Array:
+    """float32 `codes * scale + mn` (`levels[codes] * scale + mn` with a codebook), with scale and mn broadcast over
+    their groups along `axis`."""
     axis = axis % codes.ndim
     scale = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
     mn = jnp.repeat(mn.astype(jnp.float32), group_size, axis=axis)
-    return codes.astype(jnp.float32) * scale + mn
+    values = codes.astype(jnp.float32) if levels is None else jnp.asarray(levels, jnp.float32)[codes.astype(jnp.int32)]
+    return values * scale + mn
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
@@ -119,24 +150,24 @@ def unpack_plane(packed: jax.Array, bits: int) -> jax.Array:
     return jnp.concatenate(slabs, axis=-1)
 
 
-def quantize_per_channel(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16):
+def quantize_per_channel(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16, levels=None):
     """`x [..., tokens, D]` -> packed codes `[..., tokens, D * bits / 8]`, scale and min `[..., tokens // G, D]`."""
-    codes, scale, mn = quantize(x, bits, group_size, axis=-2, scale_dtype=scale_dtype)
+    codes, scale, mn = quantize(x, bits, group_size, axis=-2, scale_dtype=scale_dtype, levels=levels)
     return pack(codes, bits), scale, mn
 
 
-def quantize_per_token(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16):
+def quantize_per_token(x: jax.Array, bits: int, group_size: int, scale_dtype=jnp.float16, levels=None):
     """`x [..., tokens, D]` -> packed codes `[..., tokens, D * bits / 8]`, scale and min `[..., tokens, D // G]`."""
-    codes, scale, mn = quantize(x, bits, group_size, axis=-1, scale_dtype=scale_dtype)
+    codes, scale, mn = quantize(x, bits, group_size, axis=-1, scale_dtype=scale_dtype, levels=levels)
     return pack(codes, bits), scale, mn
 
 
-def dequantize_per_channel(packed, scale, mn, bits: int, group_size: int) -> jax.Array:
-    return dequantize(unpack(packed, bits), scale, mn, group_size, axis=-2)
+def dequantize_per_channel(packed, scale, mn, bits: int, group_size: int, levels=None) -> jax.Array:
+    return dequantize(unpack(packed, bits), scale, mn, group_size, axis=-2, levels=levels)
 
 
-def dequantize_per_token(packed, scale, mn, bits: int, group_size: int) -> jax.Array:
-    return dequantize(unpack(packed, bits), scale, mn, group_size, axis=-1)
+def dequantize_per_token(packed, scale, mn, bits: int, group_size: int, levels=None) -> jax.Array:
+    return dequantize(unpack(packed, bits), scale, mn, group_size, axis=-1, levels=levels)
 
 
 def overflowed(*stored: jax.Array) -> jax.Array:

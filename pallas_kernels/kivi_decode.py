@@ -49,8 +49,11 @@ NUM_STAGES = 2
 
 
 def unsupported(head_dim: int, k_bits: int, v_bits: int, group_size: int, residual: int, key_axis: str = "channel",
-                value_axis: str = "token") -> str | None:
-    """Why the kernel cannot serve this cache configuration, or None when it can."""
+                value_axis: str = "token", codebook: bool = False) -> str | None:
+    """Why the kernel cannot serve this cache configuration, or None when it can (`codebook`: keys or values have
+    non-uniform codes)."""
+    if codebook:
+        return "the Pallas kernel reads uniform codes only, not non-uniform codebooks (-nuqk/-nuqv)"
     if (key_axis, value_axis) != ("channel", "token"):
         return f"only KIVI's axes (keys per-channel, values per-token) have a kernel, not {key_axis}/{value_axis}"
     if k_bits not in KERNEL_BITS or v_bits not in KERNEL_BITS:

@@ -23,7 +23,8 @@ FULL_AUTO = True  # it did on the 2-core machine, 2026-12-01: 0.31-0.75x the XLA
 
 def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, residual: int, sinks=None) -> str | None:
     """Why the native kernel cannot serve this KIVI cache (sinks: `(k_sink, v_sink)` or None), or None when it can.
-    Pre-RoPE keys need nothing more (the kernel rotates any head_dim it serves)."""
+    Pre-RoPE keys and codebooks need nothing more (the kernel rotates any head_dim it serves, and maps any codebook
+    of 2^bits levels)."""
     if (k_store.axis, v_store.axis) != ("channel", "token"):
         return f"only KIVI's axes (keys per-channel, values per-token) have a kernel, not {k_store.axis}/{v_store.axis}"
     if k_store.bits not in KERNEL_BITS or v_store.bits not in KERNEL_BITS:
@@ -73,7 +74,8 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
     q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size), rings and
     `sinks = (k_sink, v_sink)` (None: no sinks) `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or
     one layer each with `layer=None`; length `[batch]`; k_new (after RoPE), v_new `[batch, 1, kv_heads, head_dim]`
-    at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring, sinks).
+    at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring, sinks); a
+    store's `levels` (codebook) go along as an operand.
     Returns q's shape, float32.
     """
     if build.load() is None:
@@ -86,13 +88,15 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
     else:
         k_sink, v_sink = (_stacked(s, layer).astype(jnp.float32) for s in sinks)
     freqs = jnp.zeros((head_dim // 2,), jnp.float32) if inv_freq is None else inv_freq.astype(jnp.float32)
+    levels = [jnp.asarray(s.levels or (0.0,), jnp.float32) for s in (k_store, v_store)]  # (0,): uniform, not read
     call = jax.ffi.ffi_call("kivi_jax_kivi_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32), *arrays[:6], arrays[6].astype(jnp.float32), arrays[7].astype(jnp.float32),
         _layer_operand(layer), length.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
-        k_sink, v_sink, freqs.reshape(head_dim // 2),
+        k_sink, v_sink, freqs.reshape(head_dim // 2), *levels,
         k_bits=int(k_store.bits), v_bits=int(v_store.bits), k_group=int(k_store.group_size),
         v_group=int(v_store.group_size), window=_window(window), rope=int(inv_freq is not None),
+        k_codebook=len(k_store.levels or ()), v_codebook=len(v_store.levels or ()),
     )
 
 

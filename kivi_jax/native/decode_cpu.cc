@@ -4,7 +4,8 @@
 // kernel"): one query token a sequence, the stacked [layers, ...] stores read in place at the layer index, per-sequence
 // lengths, GQA (the query heads of a kv head share one pass over its codes), the sliding window, the ring, the new
 // token; scales and mins folded (keys: q·k = Σ_d (q_d s_gd) c_td + Σ_d q_d m_gd; values: Σ_t p_t v_td =
-// Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg); float32 in and out, online softmax in float32.
+// Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg; with a codebook, c is the level the code stands for); float32 in and out,
+// online softmax in float32.
 //
 // SIMD: GCC/Clang vector extensions, 16 floats a vector (one AVX-512 register; two AVX2 registers; portable code on
 // anything else), channels in lanes. Threads: work items (batch, kv head, query-row block, token split) shared out
@@ -95,6 +96,8 @@ struct KiviArgs {
   const float *k_sink, *v_sink;  // [L, B, H, S, D]: tokens [0, S) in full precision (S = 0: none)
   int64_t S;
   const float* rope;  // pre-RoPE keys: [tokens, D] per position, cos of the D/2 angles then their sin; else null
+  const float *k_levels, *v_levels;  // non-uniform codes: the level code c stands for (codebook), else null
+  int k_nlevels, v_nlevels;
   const int32_t* length;
   int64_t splits;
 
@@ -190,6 +193,30 @@ inline float slab_unscale(int k) {
   }
 }
 
+// Exact codes (as floats, 0 .. n-1) -> the levels they stand for in a codebook of n levels, by n - 1 selects.
+template <int D>
+inline void code_levels(vf* x, const float* levels, int n) {
+#pragma GCC unroll 8
+  for (int k = 0; k < D / W; ++k) {
+    const vf c = x[k];
+    vf out = vsplat(levels[0]);
+    for (int j = 1; j < n; ++j) out = c >= vsplat((float)j - 0.5f) ? vsplat(levels[j]) : out;
+    x[k] = out;
+  }
+}
+
+// One row of codes as the values they scale: exact codes mapped through the codebook when there is one (`levels`),
+// else slab-scaled codes (`unpack_row`'s Scaled, undone by `slab_unscale`).
+template <int D, int BITS>
+inline void unpack_values(const uint8_t* row, vf* out, const float* levels, int n) {
+  if (levels) {
+    unpack_row<D, BITS, false>(row, out);
+    code_levels<D>(out, levels, n);
+  } else {
+    unpack_row<D, BITS>(row, out);
+  }
+}
+
 // RoPE (half-split layout) of one key row of D/W vectors, in place, with the token's table row `cs` (cos of the D/2
 // angles, then their sin): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
 template <int D>
@@ -247,9 +274,9 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   alignas(64) float vsc[MAX_CHUNK * (D / 16)], vmn[MAX_CHUNK * (D / 16)];  // the chunk's value scales and mins
   alignas(64) float ps[NR][MAX_CHUNK * (D / 16)];  // p * value scale
   float kunscale[D / W], vunscale[D / W];
-  for (int k = 0; k < D / W; ++k) {
-    kunscale[k] = slab_unscale<D, KB>(k);
-    vunscale[k] = slab_unscale<D, VB>(k);
+  for (int k = 0; k < D / W; ++k) {  // codebooks map exact codes: nothing to unscale
+    kunscale[k] = a.k_levels ? 1.0f : slab_unscale<D, KB>(k);
+    vunscale[k] = a.v_levels ? 1.0f : slab_unscale<D, VB>(k);
   }
   for (int r = 0; r < NR; ++r)  // acc holds slab-scaled sums (codes unpacked as c * 2^(VB * slab)) until the ring
     for (int k = 0; k < D / W; ++k) st.acc[r][k] = vf{};
@@ -269,7 +296,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         const int m = std::min(W, n - i0);
         for (int i = 0; i < m; ++i) {
           const int64_t t = t_begin + i0 + i;
-          unpack_row<D, KB>(kc + t * RBK, codes);
+          unpack_values<D, KB>(kc + t * RBK, codes, a.k_levels, a.k_nlevels);
 #pragma GCC unroll 8
           for (int k = 0; k < D / W; ++k) codes[k] = codes[k] * kse[k] + kmn[k];
           rotate_row<D>(codes, a.rope + t * D);
@@ -298,7 +325,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
       for (int i0 = 0; i0 < n; i0 += W) {
         const int m = std::min(W, n - i0);
         for (int i = 0; i < m; ++i) {
-          unpack_row<D, KB>(kc + (t_begin + i0 + i) * RBK, codes);
+          unpack_values<D, KB>(kc + (t_begin + i0 + i) * RBK, codes, a.k_levels, a.k_nlevels);
           for (int r = 0; r < NR; ++r) {
             vf acc = codes[0] * vload(qs[r]);
 #pragma GCC unroll 8
@@ -337,7 +364,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         mins[r][j] = hsum(msum);
       }
     for (int i = 0; i < n; ++i) {
-      unpack_row<D, VB>(vc + (t_begin + i) * RBV, codes);
+      unpack_values<D, VB>(vc + (t_begin + i) * RBV, codes, a.v_levels, a.v_nlevels);
       for (int r = 0; r < NR; ++r) {
         const float* pr = ps[r] + i;
 #pragma GCC unroll 8
@@ -377,6 +404,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
           load_scales(a.ks, ks_off + (row / gk) * D, D, a.st, kscale);
           load_scales(a.km, ks_off + (row / gk) * D, D, a.st, kmin);
           unpack_row<D, KB, false>(kc + row * RBK, codes);
+          if (a.k_levels) code_levels<D>(codes, a.k_levels, a.k_nlevels);
           for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
         } else {
           std::memcpy(key, kr + slot * D, D * sizeof(float));
@@ -697,8 +725,9 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
                           ffi::Buffer<ffi::F32> k_sink, ffi::Buffer<ffi::F32> v_sink, ffi::Buffer<ffi::F32> inv_freq,
+                          ffi::Buffer<ffi::F32> k_levels, ffi::Buffer<ffi::F32> v_levels,
                           ffi::ResultBuffer<ffi::F32> out, int64_t k_bits, int64_t v_bits, int64_t k_group,
-                          int64_t v_group, int64_t window, int64_t rope) {
+                          int64_t v_group, int64_t window, int64_t rope, int64_t k_codebook, int64_t v_codebook) {
   auto qd = q.dimensions(), kcd = kc.dimensions(), krd = kr.dimensions(), skd = k_sink.dimensions();
   if (qd.size() != 4 || kcd.size() != 5 || krd.size() != 5 || skd.size() != 5)
     return ffi::Error::InvalidArgument("kivi_decode: q must be [B, 1, Hq, D], stores, rings, sinks [L, B, H, ., .]");
@@ -751,6 +780,13 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     table = rope_table(inv_freq.typed_data(), a.D, max_len + 1);
   }
   a.rope = table ? table->data.data() : nullptr;
+  if ((k_codebook && k_codebook != (1 << a.kbits)) || (v_codebook && v_codebook != (1 << a.vbits)) ||
+      (int64_t)k_levels.element_count() < k_codebook || (int64_t)v_levels.element_count() < v_codebook)
+    return ffi::Error::InvalidArgument("kivi_decode: a codebook needs 2^bits levels");
+  a.k_levels = k_codebook ? k_levels.typed_data() : nullptr;
+  a.v_levels = v_codebook ? v_levels.typed_data() : nullptr;
+  a.k_nlevels = (int)k_codebook;
+  a.v_nlevels = (int)v_codebook;
   std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
   a.q = qs.data();
 
@@ -831,13 +867,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // key sinks [L, B, H, S, D] (S = 0: none)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // value sinks
                                   .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq [D / 2] (read when rope)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // key codebook [>= 2^k_bits] (read when k_codebook)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // value codebook
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [B, 1, Hq, D]
                                   .Attr<int64_t>("k_bits")
                                   .Attr<int64_t>("v_bits")
                                   .Attr<int64_t>("k_group")
                                   .Attr<int64_t>("v_group")
                                   .Attr<int64_t>("window")
-                                  .Attr<int64_t>("rope"));
+                                  .Attr<int64_t>("rope")
+                                  .Attr<int64_t>("k_codebook")    // levels in the key codebook (0: uniform codes)
+                                  .Attr<int64_t>("v_codebook"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxFullDecode, FullDecodeImpl,
                               ffi::Ffi::Bind()
