@@ -125,7 +125,9 @@ def test_blockwise_attention_equals_dense_reference(kivi, window):
             for block in (G, 3 * G, 512):
                 ours = attention.decode_kivi_xla(q, cache.k, cache.v, layer, cache.k_ring[layer],
                                                  cache.v_ring[layer], cache.length, k_new, v_new, window, block)
-                worst = jnp.maximum(worst, jnp.abs(ours - ref).max())
+                # allclose's bound (atol 1e-5, rtol 1e-5): float32 rounding of exp and of the block-wise rescaling
+                # grows with the magnitude of the output (outlier key channels make scores of tens)
+                worst = jnp.maximum(worst, (jnp.abs(ours - ref) / (1e-5 + 1e-5 * jnp.abs(ref))).max())
         return worst
 
     worst = 0.0
@@ -136,7 +138,7 @@ def test_blockwise_attention_equals_dense_reference(kivi, window):
         worst = max(worst, float(check(cache, q, k_new, v_new)))
         cache = append(cache, k[:, :, :, step], v[:, :, :, step])
     assert int(cache.length[1]) > 4 * R  # crossed every flush boundary of both sequences
-    assert worst <= 1e-5
+    assert worst <= 1.0
 
 
 def test_kivi_model_decode_error_shrinks_with_bits():

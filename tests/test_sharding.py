@@ -281,8 +281,9 @@ def test_quantized_weights_with_a_mesh(devices8):
     split over model, wo's columns) give the one-device tokens."""
     for fmt, r in devices8["weights"].items():
         assert r["got"] == r["ref"] and all(len(s) == 5 for s in r["got"]), (fmt, r)
-        assert r["wq_codes_spec"] == r["wq_scale_spec"] == "PartitionSpec(None, 'model')", r
-        assert r["wo_codes_spec"] == "PartitionSpec(None, None, 'model')", r
+        spec = lambda key: r[key].replace("PartitionSpec(", "P(")  # noqa: E731 (jax versions print P or PartitionSpec)
+        assert spec("wq_codes_spec") == spec("wq_scale_spec") == "P(None, 'model')", r
+        assert spec("wo_codes_spec") == "P(None, None, 'model')", r
 
 
 def test_evaluate_with_a_mesh(devices8):
