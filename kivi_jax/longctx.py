@@ -28,7 +28,7 @@ import numpy as np
 
 from kivi_jax import evaluate, rotation
 from kivi_jax.cache import make_cache
-from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.config import ALIASES, parse_cache_spec, spec_name
 from kivi_jax.generate import (PREFILL_CHUNK, PROMPT_BUCKET, Sampling, cache_size, decode_step, prefill,
                                raise_cache_errors)
 from kivi_jax.models.llama import Params
@@ -576,7 +576,23 @@ def report(records: list[dict], specs, tasks, lengths, contexts=CONTEXTS, docume
                                "nll_per_document": r["nll_per_document"]}
             longdoc[spec] = rows
     return {"retrieval": retrieval, "longdoc": longdoc, "specs": list(specs), "lengths": [list(p) for p in lengths],
-            "contexts": list(contexts), "documents": documents, "scored": scored, "chat": dict(CHAT)}
+            "contexts": list(contexts), "documents": documents, "scored": scored, "chat": dict(CHAT),
+            "labels": {spec: label(spec) for spec in specs}}
+
+
+def label(spec: str) -> str:
+    """A spec's name with its preset's, when it is one: `kivi2+ = k3v2-g64-r128-prerope-s4-rotv`."""
+    names = {cfg.spec: name for name, cfg in ALIASES.items()}
+    return f"{names[spec]} = {spec}" if spec in names else spec
+
+
+def verdict(rows: dict, reading: list[int]) -> str:
+    """'yes', 'no (at 2048)' or 'not run there' for one cache over the `reading` lengths, with those not run."""
+    have = [n for n in reading if n in rows]
+    lost = [n for n in have if not rows[n]["within_slack"]]
+    out = "not run there" if not have else f"no (at {', '.join(map(str, lost))})" if lost else "yes"
+    missing = [n for n in reading if n not in rows]
+    return out + (f" ({', '.join(map(str, missing))} not run)" if have and missing else "")
 
 
 def markdown(rep: dict) -> str:
@@ -588,13 +604,16 @@ def markdown(rep: dict) -> str:
                 "|---|" + "---|" * len(lengths)]
         for spec, rows in by_spec.items():
             cells = [f"{rows[n]['correct']}/{rows[n]['cases']}" if n in rows else "" for n in lengths]
-            out.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+            out.append(f"| `{label(spec)}` | " + " | ".join(cells) + " |")
         full = by_spec.get("full", {})
         reading = [n for n in lengths if n in full and full[n]["reading"]]
-        out += ["", f"Lengths where the full cache reaches {CEILING:.0%} (the pass/fail reading): "
-                f"{', '.join(map(str, reading)) or 'none'}; within {SLACK * 20:.0f} case in 20 of full there: "
-                + "; ".join(f"`{spec}` {'yes' if all(rows[n]['within_slack'] for n in reading if n in rows) else 'no'}"
-                            for spec, rows in by_spec.items() if spec != "full"), ""]
+        head = f"Lengths where the full cache reaches {CEILING:.0%} (the pass/fail reading): "
+        if not reading:
+            out += ["", head + "none, so no cache is judged on this task", ""]
+            continue
+        out += ["", head + f"{', '.join(map(str, reading))}; within {SLACK * 20:.0f} case in 20 of full there: "
+                + "; ".join(f"`{label(spec)}` {verdict(rows, reading)}" for spec, rows in by_spec.items()
+                            if spec != "full"), ""]
     if rep["longdoc"]:
         contexts = rep["contexts"]
         out += [f"long-document loss ({rep['documents']} documents, {rep['scored']} tokens scored after each context): "
@@ -610,6 +629,6 @@ def markdown(rep: dict) -> str:
                 else:
                     delta = "" if r["delta_nll"] is None else f"{r['delta_nll']:+.4f}"
                     cells += [f"{r['nll']:.4f}", delta, f"{r['kl_vs_full']:.4f}", f"{r['top1_agree']:.3f}"]
-            out.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+            out.append(f"| `{label(spec)}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -158,6 +158,7 @@ def plot_longctx(report: dict, title: str, path) -> str:
     task, and ΔNLL against context length per quantized spec (long-document loss)."""
     plt = _pyplot()
     tasks = list(report["retrieval"])
+    labels = report.get("labels", {})  # a preset's name beside its spec
     panels = len(tasks) + bool(report["longdoc"])
     fig, axes = plt.subplots(1, max(panels, 1), figsize=(5.2 * max(panels, 1), 4.2), squeeze=False)
     axes = list(axes[0])
@@ -165,7 +166,7 @@ def plot_longctx(report: dict, title: str, path) -> str:
         for spec, rows in report["retrieval"][task].items():
             pts = sorted((int(n), r["accuracy"]) for n, r in rows.items())
             if pts:
-                ax.plot([n for n, _ in pts], [a for _, a in pts], marker="o", label=spec,
+                ax.plot([n for n, _ in pts], [a for _, a in pts], marker="o", label=labels.get(spec, spec),
                         linestyle="--" if spec == "full" else "-", color="black" if spec == "full" else None)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.03, 1.03)
@@ -179,7 +180,7 @@ def plot_longctx(report: dict, title: str, path) -> str:
         for spec, rows in report["longdoc"].items():
             pts = sorted((int(c), r["delta_nll"]) for c, r in rows.items() if r["delta_nll"] is not None)
             if spec != "full" and pts:
-                ax.plot([c for c, _ in pts], [d for _, d in pts], marker="o", label=spec)
+                ax.plot([c for c, _ in pts], [d for _, d in pts], marker="o", label=labels.get(spec, spec))
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xlabel("context before the scored tokens (tokens)")
         ax.set_ylabel("ΔNLL vs full precision (nats/token)")

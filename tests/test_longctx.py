@@ -208,14 +208,20 @@ def test_the_pass_fail_reading_counts_only_lengths_where_full_passes():
 
     records = (cases("full", 1024, 20) + cases("a", 1024, 19) + cases("b", 1024, 18)
                + cases("full", 4096, 9) + cases("a", 4096, 2) + cases("b", 4096, 9))
-    rep = longctx.report(records, ["full", "a", "b"], ["passkey"], [(1024, 20), (4096, 20)])
+    records += cases("full", 2048, 19) + cases("a", 2048, 18)  # b not run at 2048
+    records += [dict(r, task="needle") for r in cases("full", 1024, 17) + cases("a", 1024, 17)]
+    rep = longctx.report(records, ["full", "a", "b"], ["passkey", "needle"], [(1024, 20), (2048, 20), (4096, 20)])
     rows = rep["retrieval"]["passkey"]
     assert rows["a"][1024]["within_slack"] and not rows["b"][1024]["within_slack"]  # 1 case lost of 20, and 2
     assert rows["full"][1024]["reading"] and not rows["full"][4096]["reading"]  # full at 45%: out of the reading
     assert rows["b"][1024]["wrong_depths"] == [round(18 / 19, 3), 1.0]
     table = longctx.markdown(rep)
-    assert "| `a` | 19/20 | 2/20 |" in table
-    assert "(the pass/fail reading): 1024; within 1 case in 20 of full there: `a` yes; `b` no" in table
+    assert "| `a` | 19/20 | 18/20 | 2/20 |" in table and "| `b` | 18/20 |  | 9/20 |" in table
+    assert ("(the pass/fail reading): 1024, 2048; within 1 case in 20 of full there: `a` yes; `b` no (at 1024) "
+            "(2048 not run)") in table
+    assert "(the pass/fail reading): none, so no cache is judged on this task" in table  # the needle: full at 85%
+    plus = longctx.spec_name(longctx.parse_cache_spec("kivi2+"))
+    assert longctx.label(plus) == f"kivi2+ = {plus}" and longctx.label("k2v2-g16-r32") == "k2v2-g16-r32"
 
 
 def test_caches_are_placed_as_the_params_are():
