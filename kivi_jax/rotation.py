@@ -39,8 +39,9 @@ def basis(head_dim: int) -> np.ndarray:
     return q * np.sign(np.diag(r))[None, :]
 
 
-# A quantized projection that rotation changes is rotated in float and quantized again in this format (per output channel, 8 bits: finer than
-# the GGUF's 4-bit blocks, so the rotation adds little error; docs/benchmarks.md "Quantized weights" measures it).
+# A quantized projection the rotation changes is rotated in float and quantized again in this format (per output
+# channel, 8 bits: finer than the GGUF's 4-bit blocks, so the rotation adds little error; docs/benchmarks.md
+# "Quantized weights" measures it).
 ROTATED_FORMAT = "int8"
 
 

@@ -62,6 +62,15 @@ def tiny(name: str) -> LlamaConfig:
                            model_type="mistral", **common)
     if name == "llama_3kv":  # SmolLM2's head layout: 3 kv heads, 9 query heads
         return LlamaConfig(num_heads=9, num_kv_heads=3, **common)
+    # the architectures added through models/registry.py: their own leaves (biases, q/k norms, post-norms) placed
+    # by the axes declared beside them
+    heads = dict(num_heads=16, num_kv_heads=8)
+    if name == "qwen2":  # q, k, v biases (Qwen3's q/k norms and output bias: placed by test_sharding's table checks)
+        return LlamaConfig(model_type="qwen2", qkv_bias=True, **heads, **common)
+    if name == "gemma2":  # soft-caps, local/global layers (a window shorter than the sequences), query scaling
+        return LlamaConfig(model_type="gemma2", layer_types=("sliding_attention", "full_attention"), sliding_window=20,
+                           attn_logit_softcap=5.0, final_logit_softcap=10.0, query_pre_attn_scalar=48.0,
+                           hidden_act="gelu_tanh", tie_word_embeddings=True, **heads, **common)
     raise KeyError(name)
 
 
@@ -163,6 +172,7 @@ def check_parity(model_name: str) -> list[dict]:
     cases = [(model_name, s, mesh) for s in ("full", KIVI) for mesh in MESHES]
     if model_name == "mistral":
         cases += [("llama_3kv", KIVI, "data=2,model=4")]
+        cases += [(arch, KIVI, "data=2,model=4") for arch in ("qwen2", "gemma2")]
     for model, spec, mesh_text in cases:
         params = init_params(tiny(model), jax.random.PRNGKey(0), std=0.1)
         ref = reference(params, spec)
