@@ -232,6 +232,6 @@ def ensure_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
         checkpoint.save(params, out, tokenizer, source=f"{_spec(name).package}=={_spec(name).version}:{gguf.name}")
         for stale in model_dir(name).iterdir():  # whole conversions by older versions of this code, nothing else
             m = _OLD_CONVERSION.match(stale.name)
-            if m and int(m.group(1)) != CONVERSION and stale.is_dir():
+            if m and int(m.group(1)) < CONVERSION and stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
     return out
