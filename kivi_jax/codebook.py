@@ -27,8 +27,14 @@ ITERATIONS = 100
 
 # (role, bits) -> levels in scale units above the group's min: the output of scripts/calibrate_codebooks.py
 LEVELS: dict[tuple[str, int], tuple[float, ...]] = {
-    ("key", 2): (0.413, 1.192, 1.843, 2.61),
-    ("value", 2): (0.485, 1.192, 1.791, 2.492),
+    ("key", 2): (0.3951, 1.1624, 1.8219, 2.6147),
+    ("key", 3): (0.2642, 1.401, 2.2841, 3.0823, 3.8517, 4.6506, 5.5711, 6.7403),
+    ("key", 4): (0.1341, 1.4434, 2.5873, 3.5829, 4.5049, 5.3713, 6.21, 7.0176, 7.8338, 8.6506, 9.467, 10.3205, 11.2542,
+                 12.2563, 13.4411, 14.8519),
+    ("value", 2): (0.5053, 1.2016, 1.7965, 2.4936),
+    ("value", 3): (0.415, 1.5344, 2.3868, 3.1371, 3.859, 4.6092, 5.4599, 6.5836),
+    ("value", 4): (0.2269, 1.6583, 2.8046, 3.7968, 4.6949, 5.5307, 6.3307, 7.112, 7.8861, 8.6642, 9.4616, 10.2958,
+                   11.1898, 12.1787, 13.3304, 14.7706),
 }
 
 
@@ -100,10 +106,27 @@ def calibrate(params, windows, bits=(2, 3, 4), key_group: int = KEY_GROUP, value
 
 def from_activations(acts, bits=(2, 3, 4), key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP,
                      sinks: int = SINKS, key_weights: str = "attention") -> dict[tuple[str, int], tuple[float, ...]]:
-    """Codebooks from a prefill's activations (`evaluate.capture_qkv`: per layer `q` and `k` after RoPE `[layers,
-    batch, tokens, heads, D]`, `k_pre` before, `v`), pooled over layers and heads. `key_weights`: 'attention'
-    (squared scale times the attention each token receives, summed over the queries that see it) or 'mse' (squared
-    scale alone)."""
+    """Codebooks from a prefill's activations (`evaluate.capture_qkv`), Lloyd-Max on their `histograms`."""
+    hists = histograms(acts, bits, key_group, value_group, sinks, key_weights)
+    return {key: lloyd_max(h, key[1]) for key, h in hists.items()}
+
+
+def weighted_error(hist: np.ndarray, levels, bits: int) -> float:
+    """The weighted squared error `Σ weight * (u - nearest level)^2` of a histogram (bin centres) under `levels`
+    (None: the uniform grid)."""
+    top = 2**bits - 1
+    centres = (np.arange(len(hist)) + 0.5) * top / len(hist)
+    lv = np.arange(top + 1, dtype=np.float64) if levels is None else np.asarray(levels, np.float64)
+    nearest = lv[np.abs(centres[:, None] - lv[None, :]).argmin(1)]
+    return float(np.sum(hist * (centres - nearest) ** 2))
+
+
+def histograms(acts, bits=(2, 3, 4), key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP, sinks: int = SINKS,
+               key_weights: str = "attention") -> dict[tuple[str, int], np.ndarray]:
+    """`(role, bits) -> [BINS]` weights of normalized values from a prefill's activations (`evaluate.capture_qkv`:
+    per layer `q` and `k` after RoPE `[layers, batch, tokens, heads, D]`, `k_pre` before, `v`), pooled over layers and
+    heads. `key_weights`: 'attention' (squared scale times the attention each token receives, summed over the queries
+    that see it) or 'mse' (squared scale alone)."""
     import jax
     import jax.numpy as jnp
 
@@ -139,4 +162,4 @@ def from_activations(acts, bits=(2, 3, 4), key_group: int = KEY_GROUP, value_gro
             hist[("key", b)] += histogram(u, scale.astype(np.float64) ** 2 * mass, b)
             u, scale = normalized(vg, b, axis=4)
             hist[("value", b)] += histogram(u, scale.astype(np.float64) ** 2, b)
-    return {key: lloyd_max(h, key[1]) for key, h in hist.items()}
+    return hist

@@ -69,6 +69,9 @@ def test_lloyd_max_finds_the_known_levels():
     lv = codebook.lloyd_max(codebook.histogram(u, np.array([1.0, 3.0, 1.0, 1.0]), 2), 2)
     assert abs(lv[0] - 0.275) < 2e-3 and abs(lv[3] - 2.925) < 2e-3
     assert all(0 <= a < b <= 3 for a, b in zip(lv, lv[1:]))
+    # the weighted error it minimizes: Lloyd-Max's levels beat the uniform grid on the uniform density's histogram
+    hist = codebook.histogram(np.linspace(0, 3, 300001), np.ones(300001), 2)
+    assert codebook.weighted_error(hist, codebook.lloyd_max(hist, 2), 2) < 0.6 * codebook.weighted_error(hist, None, 2)
     # the shipped table is a set of valid codebooks
     for (role, bits), levels in codebook.LEVELS.items():
         assert quant.check_levels(levels, bits) == levels and 0 <= levels[0] and levels[-1] <= 2**bits - 1
@@ -165,3 +168,29 @@ def test_pallas_refuses_codebooks_and_auto_falls_back_quietly():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto: no warning whatever kernel it takes
         assert np.abs(np.asarray(run("auto")) - xla).max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_real_model_kivi25_through_native_and_its_codebooks_on_real_activations(smollm2):
+    """SmolLM2 with kivi2.5: the native kernel gives the XLA path's greedy tokens; on real keys (before RoPE) and
+    rotated values of text the calibration never saw (the evaluation split's first window), the shipped codebooks
+    quantize with less error than the uniform grid in the same bytes (keys: weighted by the attention each token
+    receives, as calibrated)."""
+    import kivi_jax
+    from kivi_jax import evaluate, rotation
+
+    text = evaluate.default_text()
+    kw = dict(max_new_tokens=24, cache="kivi2.5", stop_at_eos=False)
+    prompts = [text[:1500], text[:400]]  # about 300 and 80 tokens: flushed blocks, ring and sinks in view
+    xla = kivi_jax.generate(smollm2, prompts, attention_impl="xla", **kw).token_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kivi_jax.generate(smollm2, prompts, attention_impl="native", **kw).token_ids == xla
+    kivi = parse_cache_spec("kivi2.5")
+    tokens = evaluate.make_windows(evaluate.tokenize(smollm2.tokenizer, text), 512, 256, 4, "eval")[:1, :256]
+    acts = evaluate.capture_qkv(rotation.rotate_values(smollm2.params), jnp.asarray(tokens))
+    hists = codebook.histograms(acts, (2,), kivi.group_size, kivi.group_size, kivi.sinks)
+    for role in ("key", "value"):
+        err = {name: codebook.weighted_error(hists[(role, 2)], lv, 2) for name, lv in (("codebook", kivi.levels(role)),
+                                                                                       ("uniform", None))}
+        assert err["codebook"] < 0.9 * err["uniform"], (role, err)
