@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     eng = Engine(model.params, args.cache, slots=args.slots, max_length=args.max_length, prefix_reuse=False)
     grammar = Compiler(lambda: tok, model.config.vocab_size, eng.eos).compile(
         {"type": "json_schema", "json_schema": {"name": "answer", "schema": BENCH_SCHEMA}})
-    prompts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=True,
-                                       add_generation_prompt=True) for i in range(args.slots)]
-    prompts = [list(q["input_ids"]) if isinstance(q, dict) else list(q) for q in prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=False,
+                                     add_generation_prompt=True) for i in range(args.slots)]
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]  # as the server encodes a chat
 
     def run(constrained: bool) -> list[float]:
         for i, q in enumerate(prompts):

@@ -183,7 +183,8 @@ def start_server(spec: str, model: str, port: int, slots: int, max_length: int, 
            "smollm2", "--max-queue", "256"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log(f"{spec}: {' '.join(cmd[3:])}")
-    proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            cwd=ROOT, start_new_session=True)  # no controlling terminal: nothing can stop it
     import urllib.request
 
     t0 = time.time()
@@ -214,7 +215,7 @@ def run_lm_eval(bin_dir: Path, model_args: list[str], backend: str, tasks: list[
            **(extra_env or {})}
     log(" ".join(cmd[3:]))
     t0 = time.time()
-    subprocess.run(cmd, check=True, env=env)
+    subprocess.run(cmd, check=True, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     results = sorted(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
     if not results:
         raise RuntimeError(f"lm-eval wrote no results under {out}")
