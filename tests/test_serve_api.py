@@ -14,10 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-import kivi_jax
 from kivi_jax.evaluate import teacher_forced
 from kivi_jax.serve.scheduler import choice_seed
-from test_serve import MAX_LENGTH, MODEL, SPEC, build, client, model, prompts, reference, served, token_ids  # noqa: F401
+from test_serve import MAX_LENGTH, MODEL, SPEC, build, client, model, prompts, served  # noqa: F401
 
 openai = pytest.importorskip("openai")
 
@@ -39,48 +38,44 @@ def scored_prompt():
     return prompts(21, [SCORED])[0]
 
 
-@pytest.mark.parametrize("spec", [SPEC, "full"])
-def test_echo_logprobs_are_the_teacher_forced_logprobs_through_the_cache(model, served, scored_prompt, spec):
+def test_echo_logprobs_are_the_teacher_forced_logprobs_through_the_cache(model, served, scored_prompt):
     """echo + logprobs + max_tokens 0 (what lm-evaluation-harness sends for log-likelihoods) gives, for every prompt
-    token after the first, the log-probability `kivi_jax.evaluate.teacher_forced` gives it through the same cache."""
+    token after the first, the log-probability `kivi_jax.evaluate.teacher_forced` gives it through the same cache: the
+    server's KIVI cache, and the full-precision one (an engine alone)."""
+    from kivi_jax.serve.engine import Engine
+    from kivi_jax.serve.sampling import RowSampling
+
     server, url = served
     tokens = scored_prompt
-    if spec == SPEC:
-        r = post(url, {"prompt": tokens, "echo": True, "logprobs": 3, "max_tokens": 0})
-        assert r.status_code == 200, r.text[:300]
-        choice = r.json()["choices"][0]
-        lp = choice["logprobs"]
-        assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == SCORED
-        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first token: no prediction
-        got = np.array(lp["token_logprobs"][1:])
-    else:  # the full cache: the engine alone (the module's server holds a KIVI cache)
-        from kivi_jax.serve.engine import Engine
-        from kivi_jax.serve.sampling import RowSampling
-
-        eng = Engine(model.params, "full", slots=1, max_length=MAX_LENGTH, prefill_chunk=64)
-        admitted = eng.admit_choices(tokens, [RowSampling(0.0)], score_prompt=True, logprobs=True)
-        assert eng.counters["decode_steps"] == 0  # the full cache: the whole prompt scored by its prefill
-        got = np.array([o.logprob for o in admitted.prompt_scores])
-        assert [o.token for o in admitted.prompt_scores] == tokens[1:]
-    ref = teacher_forced(model.params, np.asarray([tokens]), P, spec)
-    want = -ref["nll"][0]  # tokens P + 1 .. end
-    np.testing.assert_allclose(got[P:], want, atol=1e-4, rtol=0)
-    assert np.abs(got[P:] - want).max() <= 1e-4
-    if spec == SPEC:
-        full = -teacher_forced(model.params, np.asarray([tokens]), P, "full")["nll"][0]
-        assert np.abs(full - want)[16:].max() > 1e-3  # the quantized blocks change the numbers: they are read
+    r = post(url, {"prompt": tokens, "echo": True, "logprobs": 3, "max_tokens": 0})
+    assert r.status_code == 200, r.text[:300]
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == SCORED
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first token: no prediction
+    got = {SPEC: np.array(lp["token_logprobs"][1:])}
+    eng = Engine(model.params, "full", slots=1, max_length=MAX_LENGTH, prefill_chunk=64)
+    admitted = eng.admit_choices(tokens, [RowSampling(0.0)], score_prompt=True, logprobs=True)
+    assert eng.counters["decode_steps"] == 0  # the full cache: the whole prompt scored by its prefill
+    assert [o.token for o in admitted.prompt_scores] == tokens[1:]
+    got["full"] = np.array([o.logprob for o in admitted.prompt_scores])
+    want = {spec: -teacher_forced(model.params, np.asarray([tokens]), P, spec)["nll"][0] for spec in got}
+    for spec in got:  # tokens P + 1 .. end
+        assert np.abs(got[spec][P:] - want[spec]).max() <= 1e-4, spec
+    assert np.abs(want["full"] - want[SPEC])[16:].max() > 1e-3  # the quantized blocks change the numbers
 
 
 def test_top_logprobs_are_sorted_and_hold_the_greedy_token(model, served, client):
     _, url = served
     p = prompts(22, [9])[0]
-    ref = reference(model, p, 8, stop_at_eos=False)
+    plain = post(url, {"prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True}).json()
     r = post(url, {"prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 4, "return_token_ids": True})
     choice = r.json()["choices"][0]
-    assert choice["token_ids"] == ref.token_ids  # logprobs change nothing of what is drawn
+    ids = choice["token_ids"]
+    assert ids == plain["choices"][0]["token_ids"]  # logprobs change nothing of what is drawn
     lp = choice["logprobs"]
-    strings = [model.tokenizer.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    strings = [model.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     assert lp["tokens"] == strings
     for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
         values = list(top.values())
@@ -91,7 +86,7 @@ def test_top_logprobs_are_sorted_and_hold_the_greedy_token(model, served, client
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=6,
                                           temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
-    assert "".join(c.token for c in content) .startswith(chat.choices[0].message.content)
+    assert "".join(c.token for c in content).startswith(chat.choices[0].message.content)
     for c in content:
         values = [t.logprob for t in c.top_logprobs]
         assert len(values) == 3 and values == sorted(values, reverse=True)
@@ -236,8 +231,9 @@ def test_response_format_without_the_grammar_extra_is_a_clear_400(served, monkey
 def test_stop_token_ids_and_usage_on_every_chunk(model, served):
     _, url = served
     p = prompts(27, [6])[0]
-    ref = reference(model, p, 12, stop_at_eos=False).token_ids
-    at = next(i for i in range(2, 12) if ref[i] not in ref[:i] and ref[i] not in model.config.eos_token_ids)
+    ref = post(url, {"prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": True}).json()
+    ref = ref["choices"][0]["token_ids"]
+    at = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i] and ref[i] not in model.config.eos_token_ids)
     r = post(url, {"prompt": p, "max_tokens": 12, "temperature": 0, "stop_token_ids": [ref[at]],
                    "return_token_ids": True}).json()["choices"][0]
     assert r["token_ids"] == ref[: at + 1] and r["finish_reason"] == "stop"
