@@ -147,7 +147,7 @@ def histograms(acts, bits=(2, 3, 4), key_group: int = KEY_GROUP, value_group: in
 
     g = min(value_group, d)
     for layer in range(layers):
-        k = np.swapaxes(np.asarray(acts["k_pre"][layer], np.float32), 1, 2)  # [batch, kv_heads, tokens, D]
+        k = np.swapaxes(np.array(acts["k_pre"][layer], np.float32), 1, 2)  # [batch, kv_heads, tokens, D], a copy
         v = np.swapaxes(np.asarray(acts["v"][layer], np.float32), 1, 2)
         k[:, :, :sinks] = k[:, :, sinks : sinks + 1]  # sinks stand in as the first non-sink token (the cache's rule)
         v = v[:, :, sinks:]  # sinks are read in full precision; their value codes are never read
