@@ -249,9 +249,17 @@ def hf_model_dir(tokenizer_dir: Path) -> Path:
 
     gguf = cache_root() / "smollm2" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     log(f"writing {out} from {gguf}")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a model it loaded from a GGUF ("quantized with gguf"): its weights are already
+    # dequantized to float32, so copy them into a plain model of the same config, without the GGUF marker
+    config = loaded.config
+    del config.quantization_config
+    model = type(loaded)(config).to(torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+    tmp.rename(out)  # whole or absent: a concurrent or interrupted run never leaves half a directory at `out`
     return out
 
 
@@ -281,7 +289,7 @@ def write_section(path: Path, body: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--caches", default="full,kivi2,kivi2+,kivi3+", help="cache specs, comma-separated")
+    p.add_argument("--caches", default="full,kivi2,kivi2+,kivi3+", help="cache specs, comma-separated (\"\" with --hf-check: that backend alone)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tasks", default=",".join(TASKS),
                    help="lm-eval tasks (default: the two local tasks made here; standard ones need the hub)")
@@ -313,7 +321,7 @@ def main(argv=None) -> int:
     include = make_tasks(AutoTokenizer.from_pretrained(str(tokenizer_dir)), work / "tasks", args.docs) \
         if set(tasks) & set(TASKS) else None
     rows, raw = [], {}
-    for spec in args.caches.split(","):
+    for spec in [s for s in args.caches.split(",") if s]:  # `--caches ""`: only --hf-check
         port = free_port()
         server = start_server(spec, args.model, port, args.slots, args.max_length, work / f"serve-{spec}.log")
         try:
@@ -330,7 +338,7 @@ def main(argv=None) -> int:
         log(f"{spec}: {json.dumps(metrics_of(data))} in {data['wall_seconds']} s")
     if args.hf_check:
         hf = hf_model_dir(tokenizer_dir)
-        data = run_lm_eval(bin_dir, [f"pretrained={hf}", "dtype=float32", "device=cpu"], "hf", tasks, include,
+        data = run_lm_eval(bin_dir, [f"pretrained={hf}", "dtype=float32"], "hf", tasks, include,
                            args.limit, work / "lm-eval-hf", {"OMP_NUM_THREADS": "2"})
         raw["hf"] = data
         rows.append(("lm-eval `hf` backend (transformers, float32)", metrics_of(data)))
