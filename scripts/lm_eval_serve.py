@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -259,7 +260,12 @@ def hf_model_dir(tokenizer_dir: Path) -> Path:
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
-    tmp.rename(out)  # whole or absent: a concurrent or interrupted run never leaves half a directory at `out`
+    try:
+        tmp.rename(out)  # whole or absent: a concurrent or interrupted run never leaves half a directory at `out`
+    except OSError:  # another run wrote it meanwhile: keep theirs
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
