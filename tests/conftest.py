@@ -130,6 +130,18 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
+def gguf_shape_header(writer, cfg) -> None:
+    """The model-shape metadata every test GGUF of a transformers model carries (blocks, context, widths, heads,
+    RMSNorm epsilon)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kivi_jax
-from conftest import TINY_VOCAB, char_tokenizer, hf_logits, torch_threads
+from conftest import TINY_VOCAB, char_tokenizer, gguf_shape_header, hf_logits, torch_threads
 from kivi_jax import attention, checkpoint, rotation
 from kivi_jax.cache import KIVICache, make_cache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
@@ -170,16 +170,10 @@ def write_gguf(model, arch: str, path) -> None:
     kind = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2}[arch]
     names = gguf.get_tensor_name_map(kind, cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    gguf_shape_header(writer, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kivi_jax
-from conftest import TINY_VOCAB, hf_logits, make_hf_model
+from conftest import TINY_VOCAB, gguf_shape_header, hf_logits, make_hf_model
 from kivi_jax import checkpoint, cli, hub
 from kivi_jax.checkpoint import CheckpointError
 from kivi_jax.models.config import UnsupportedModelError
@@ -39,13 +39,7 @@ def write_gguf(model, path: Path, types: dict | None = None) -> None:
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    gguf_shape_header(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)

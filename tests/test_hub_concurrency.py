@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY_VOCAB, make_hf_model
+from conftest import TINY_VOCAB, gguf_shape_header, make_hf_model
 from kivi_jax import hub
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +26,7 @@ def write_tiny_gguf(path: Path) -> None:
     model = make_hf_model(("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)))
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    gguf_shape_header(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     tokens = ["<pad>", "<s>", "</s>"] + [chr(c) for c in range(33, 33 + TINY_VOCAB - 3)]
     w.add_tokenizer_model("gpt2")
