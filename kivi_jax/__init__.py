@@ -19,7 +19,8 @@ from kivi_jax.cache import CacheCapacityError, FullCache, KIVICache, make_cache
 from kivi_jax.cache_io import restore_cache, save_cache
 from kivi_jax.chat import Chat, ConversationFullError
 from kivi_jax.checkpoint import CheckpointError, convert, restore, save
-from kivi_jax.config import KIVIConfig, parse_cache_spec
+from kivi_jax.cache8 import Dense8Cache
+from kivi_jax.config import Dense8Config, KIVIConfig, parse_cache_spec
 from kivi_jax.generate import Generation, Model, Sampling, generate, stream
 from kivi_jax.hub import MODELS, ModelNotAvailableError
 from kivi_jax.models.config import LlamaConfig, ModelConfig, UnsupportedModelError
@@ -73,6 +74,8 @@ __all__ = [
     "Chat",
     "CheckpointError",
     "ConversationFullError",
+    "Dense8Cache",
+    "Dense8Config",
     "FullCache",
     "Generation",
     "KIVICache",

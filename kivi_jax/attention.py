@@ -41,6 +41,12 @@ def layer_tokens(a: jax.Array, layer, start, size: int) -> jax.Array:
     return jax.lax.dynamic_slice(a, (layer, 0, 0, start, 0), sizes)[0]
 
 
+def stored_tokens(a, layer, start, size: int) -> jax.Array:
+    """`layer_tokens` of a full-precision stack, or the rows a store reads itself (`cache8.Store8.read`: 8-bit
+    codes widened to float32 a block at a time)."""
+    return layer_tokens(a, layer, start, size) if isinstance(a, jax.Array) else a.read(layer, start, size)
+
+
 def gather_tokens(a: jax.Array, layer, rows: jax.Array) -> jax.Array:
     """Token rows `rows [batch, n]` of one layer, per sequence -> `[batch, kv_heads, n, X]`."""
     batch = rows.shape[0]
@@ -183,7 +189,7 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
 def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
                     block: int = BLOCK_TOKENS, softcap: float | None = None) -> jax.Array:
     """New tokens `q [batch, T, q_heads, head_dim]` at `positions [batch, T]` over one layer of a full-precision
-    cache `[(layers,) batch, kv_heads, tokens, head_dim]` holding `length [batch]` tokens, plus the new keys and
+    cache `[(layers,) batch, kv_heads, tokens, head_dim]` (or an 8-bit store, `stored_tokens`) holding `length [batch]` tokens, plus the new keys and
     values `[batch, T, kv_heads, head_dim]` (`num_new [batch]` real), scores soft-capped by `softcap` (None: not).
     Returns `[batch, T, q_heads, head_dim]`."""
     kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
@@ -191,8 +197,8 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
     block = block_size(num_tokens, 1, block)
 
     def step(state: Softmax, start, first_new) -> Softmax:
-        kb = layer_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
-        vb = layer_tokens(v_cache, layer, start, block)
+        kb = stored_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
+        vb = stored_tokens(v_cache, layer, start, block)
         valid = stored_mask(start + jnp.arange(block), first_new, length, rows, window)
         scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
         return state.update(masked(scores, valid, softcap), lambda p: dense_values(p, vb))

@@ -16,7 +16,7 @@ import numpy as np
 
 from kivi_jax import rotation, sharding
 from kivi_jax import weights as weight_formats
-from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes, make_cache, tree_bytes
+from kivi_jax.cache import cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.config import ModelConfig
 from kivi_jax.models.decoder import Params, cast_params, forward, init_params
@@ -201,9 +201,7 @@ def cache_tokens(context: int, extra: int, specs) -> int:
     """Capacity for a cache holding `context + extra` tokens: a multiple of 256 and of every spec's R."""
     multiple = 256
     for spec in specs:
-        spec = parse_cache_spec(spec)
-        if spec != "full":
-            multiple = math.lcm(multiple, spec.residual_length)
+        multiple = math.lcm(multiple, parse_cache_spec(spec).token_multiple)
     return -(-(context + extra) // multiple) * multiple
 
 
@@ -258,10 +256,7 @@ def bench_decode(params: Params, contexts, batches, specs, impl: str = "auto", r
 
 def formula_bytes(spec, cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
     """docs/design.md §2's byte formula for a spec."""
-    spec = parse_cache_spec(spec)
-    if spec == "full":
-        return full_cache_bytes(cfg, batch, max_tokens, compute_bytes)
-    return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes)["total"]
+    return cache_bytes(spec, cfg, batch, max_tokens, compute_bytes)
 
 
 def abstract_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype, impl: str = "auto"):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kivi_jax import attention, layout, quant, rotation, sharding
-from kivi_jax.config import KIVIConfig, parse_cache_spec
+from kivi_jax.config import Dense8Config, KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import ModelConfig
 
 from kivi_jax.models.protocol import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError  # noqa: F401
@@ -559,13 +559,29 @@ def full_cache_bytes(cfg: ModelConfig, batch: int, max_tokens: int, compute_byte
 
 
 def make_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None):
-    """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', a KIVIConfig); with `mesh` (a
-    Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
+    """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', 'int8', a KIVIConfig); with
+    `mesh` (a Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
     spec = parse_cache_spec(spec)
     if mesh is not None:
         from kivi_jax import sharding
 
         return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl), mesh)
-    if spec == "full":
-        return FullCache.create(cfg, batch, max_tokens, dtype, impl)
-    return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl)
+    if isinstance(spec, KIVIConfig):
+        return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl)
+    if isinstance(spec, Dense8Config):
+        from kivi_jax.cache8 import Dense8Cache
+
+        return Dense8Cache.create(cfg, spec, batch, max_tokens, dtype, impl)
+    return FullCache.create(cfg, batch, max_tokens, dtype, impl)
+
+
+def cache_bytes(spec, cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
+    """The byte formula (docs/design.md §2) of a cache of any spec."""
+    spec = parse_cache_spec(spec)
+    if isinstance(spec, KIVIConfig):
+        return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes)["total"]
+    if isinstance(spec, Dense8Config):
+        from kivi_jax.cache8 import dense8_cache_bytes
+
+        return dense8_cache_bytes(cfg, spec, batch, max_tokens)["total"]
+    return full_cache_bytes(cfg, batch, max_tokens, compute_bytes)

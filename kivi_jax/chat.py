@@ -17,7 +17,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from kivi_jax import layout, rotation
+from kivi_jax import rotation
 from kivi_jax.cache import CacheCapacityError, full_cache_bytes, make_cache
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.generate import (
@@ -62,7 +62,7 @@ class Chat:
         self.impl, self.prefill_chunk = attention_impl, prefill_chunk
         self.system = system
         cfg = self.params.config
-        self.multiple = CACHE_BUCKET if self.spec == "full" else math.lcm(CACHE_BUCKET, self.spec.residual_length)
+        self.multiple = math.lcm(CACHE_BUCKET, self.spec.token_multiple)
         self.max_positions = cfg.max_position_embeddings // self.multiple * self.multiple
         self.initial_tokens = min(self._rounded(max_length or 1024), self.max_positions)
         self.reset()
@@ -158,10 +158,8 @@ class Chat:
                "full_precision_bytes": full_cache_bytes(cfg, 1, self.cache.max_tokens,
                                                         np.dtype(self.params.dtype).itemsize),
                "reprefills": self.reprefills}
-        if self.spec != "full":
-            r = self.spec.residual_length
-            out["keys_quantized"] = int(np.asarray(layout.quantized_end(self.spec.key_axis, length, r))[0])
-            out["values_quantized"] = int(np.asarray(layout.quantized_end(self.spec.value_axis, length, r))[0])
+        keys, values = self.spec.quantized_tokens(length)
+        out["keys_quantized"], out["values_quantized"] = int(np.asarray(keys)[0]), int(np.asarray(values)[0])
         return out
 
     def save(self, path) -> None:

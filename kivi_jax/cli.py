@@ -40,13 +40,13 @@ def cache_from_args(args):
 
 
 def _is_kivi(args) -> bool:
-    from kivi_jax.config import parse_cache_spec
+    from kivi_jax.config import KIVIConfig, parse_cache_spec
 
-    return parse_cache_spec(args.cache) != "full"
+    return isinstance(parse_cache_spec(args.cache), KIVIConfig)
 
 
-_NOT_FOR_FULL = ("the full-precision cache (--cache full) has no bits, groups or residual; drop the flag or choose a "
-                 "KIVI cache (--cache kivi2, kivi4, kivi2+, kivi3+ or k<bits>v<bits>[-g<G>][-r<R>])")
+_NOT_FOR_FULL = ("only a KIVI cache has bits, groups and a residual (not --cache full, int8 or fp8); drop the flag or "
+                 "choose a KIVI cache (--cache kivi2, kivi4, kivi2+, kivi3+ or k<bits>v<bits>[-g<G>][-r<R>])")
 
 
 def _is_sampling(args) -> bool:
@@ -253,7 +253,7 @@ def cache_summary(stats: dict) -> str:
         return f"full cache: {n} tokens in full precision, {mib(stats['bytes'])}"
     r = stats["residual_length"]
     note = (f"; all within the {r}-token full-precision residual, so the output equals the full cache's "
-            "(prompt and answer must pass it to exercise quantization)") if kq == 0 and vq == 0 else ""
+            "(prompt and answer must pass it to exercise quantization)") if kq == 0 and vq == 0 and r else ""
     return (f"{stats['cache']} cache: {n} tokens, keys of {kq} and values of {vq} of them quantized{note}; "
             f"{mib(stats['bytes'])} for {stats['max_tokens']} tokens against {mib(stats['full_bytes'])} in full "
             f"precision ({stats['bytes'] / stats['full_bytes']:.3f}x)")

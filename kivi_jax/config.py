@@ -147,6 +147,132 @@ class KIVIConfig:
         averaged over keys and values, for a head of `group_size` channels or more (see `bits_per_value`)."""
         return bits_per_value(self, None)
 
+    # -- the cache-spec interface (`CacheSpec`) --
+
+    @property
+    def token_multiple(self) -> int:
+        """A cache of this spec holds a multiple of this many tokens (R: keys are quantized in whole R-blocks)."""
+        return self.residual_length
+
+    def exact_prefill(self, tokens: int) -> int:
+        """How many of `tokens` prompt tokens one prefill call scores as decode steps would: the ring's R (nothing is
+        quantized before it first fills)."""
+        return min(tokens, self.residual_length)
+
+    def quantized_tokens(self, length):
+        """(keys, values) quantized when `length [batch]` tokens are in (`layout.quantized_end` on each axis)."""
+        from kivi_jax import layout
+
+        return (layout.quantized_end(self.key_axis, length, self.residual_length),
+                layout.quantized_end(self.value_axis, length, self.residual_length))
+
+    def value_bits(self, head_dim: int | None, tokens: int | None = None, num_layers: int | None = None) -> float:
+        """Bits a cached value costs (`bits_per_value`)."""
+        return bits_per_value(self, head_dim, tokens, num_layers)
+
+    def describe(self) -> dict:
+        """Keys, values, G, R and options, for tables."""
+        options = [name for on, name in ((self.pre_rope, "pre-RoPE"), (self.sinks, f"{self.sinks} sinks"),
+                                         (self.rotate_values, "rotated values"), (self.rotate_keys, "rotated keys"),
+                                         (self.first_layers, f"first {self.first_layers} layers k{self.first_k_bits}"
+                                                             f"v{self.first_v_bits}"),
+                                         (self.k_codebook, "key codebook"), (self.v_codebook, "value codebook")) if on]
+        return {"keys": f"{self.k_bits}-bit per-{self.key_axis}", "values": f"{self.v_bits}-bit per-{self.value_axis}",
+                "G": self.group_size, "R": self.residual_length, "options": ", ".join(options)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FullSpec:
+    """The full-precision cache: keys and values in the compute dtype, the baseline every number is compared against.
+    `parse_cache_spec("full")` gives `FULL`; it compares equal to the string "full"."""
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FullSpec) or other == "full"
+
+    def __hash__(self) -> int:
+        return hash("full")
+
+    def __str__(self) -> str:
+        return "full"
+
+    spec = property(lambda self: "full", doc="The spec string.")
+    token_multiple = property(lambda self: 1, doc="Any number of tokens.")
+
+    def check_shapes(self, head_dim: int, max_tokens: int) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens} must be positive")
+
+    def exact_prefill(self, tokens: int) -> int:
+        return tokens  # a prefill attends to exactly what decode steps would
+
+    def quantized_tokens(self, length):
+        return 0 * length, 0 * length
+
+    def value_bits(self, head_dim: int | None, tokens: int | None = None, num_layers: int | None = None) -> float:
+        return 16.0  # float16 / bfloat16 compute; a float32 cache stores 32
+
+    def describe(self) -> dict:
+        return {"keys": "full", "values": "full", "G": "", "R": "", "options": ""}
+
+
+FULL = FullSpec()
+
+# 8-bit caches: (spec name, storage dtype name, largest finite value); per-token-and-head scales for int8 always, for
+# fp8 with `-tok` (else one scale of 1 per tensor, vLLM's default without calibrated scales)
+EIGHT_BIT = {"int8": ("int8", 127.0), "fp8-e4m3": ("float8_e4m3fn", 448.0), "fp8-e5m2": ("float8_e5m2", 57344.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense8Config:
+    """An 8-bit cache, the simple baseline beside KIVI: every key and value stored as it comes in `fmt` (`int8`,
+    `fp8-e4m3`, `fp8-e5m2`), no residual ring. `per_token`: a float16 scale per token and kv head (absmax / the
+    format's largest value; int8 always has it), else the values themselves (a per-tensor scale of 1)."""
+
+    fmt: str = "int8"
+    per_token: bool = True
+
+    def __post_init__(self):
+        if self.fmt not in EIGHT_BIT:
+            raise ValueError(f"fmt={self.fmt!r} must be one of {tuple(EIGHT_BIT)}")
+        if self.fmt == "int8" and not self.per_token:
+            raise ValueError("an int8 cache needs its per-token scales (int8 codes without a scale hold integers)")
+
+    @property
+    def spec(self) -> str:
+        return self.fmt + ("-tok" if self.per_token and self.fmt != "int8" else "")
+
+    @property
+    def dtype(self):
+        import jax.numpy as jnp
+
+        return jnp.dtype(EIGHT_BIT[self.fmt][0])
+
+    @property
+    def max_value(self) -> float:
+        return EIGHT_BIT[self.fmt][1]
+
+    token_multiple = property(lambda self: 1, doc="Any number of tokens.")
+
+    def check_shapes(self, head_dim: int, max_tokens: int) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens} must be positive")
+
+    def exact_prefill(self, tokens: int) -> int:
+        return min(tokens, 1)  # a prefill's tokens see each other unquantized, decode steps see them stored
+
+    def quantized_tokens(self, length):
+        return length, length
+
+    def value_bits(self, head_dim: int | None, tokens: int | None = None, num_layers: int | None = None) -> float:
+        return 8.0 + (16.0 / head_dim if self.per_token and head_dim else 0.0)
+
+    def describe(self) -> dict:
+        scale = "per-token scale" if self.per_token else "no scale"
+        return {"keys": f"{self.fmt} ({scale})", "values": f"{self.fmt} ({scale})", "G": "", "R": "", "options": ""}
+
+
+CacheSpec = "FullSpec | KIVIConfig | Dense8Config"  # what parse_cache_spec gives; each has the interface above
+
 
 def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = None,
                    num_layers: int | None = None) -> float:
@@ -196,6 +322,8 @@ _SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:" + "|".join(
     [re.escape(f) for f in FLAGS] + [f"{n}\\d+" for n in NUMBERS] + [r"l\d+k\d+v\d+"]) + r"))*)$")
 
 
+_EIGHT = re.compile(r"^(int8|fp8|fp8-e4m3|fp8-e5m2)(-tok)?$")
+
 ALIASES = {
     "kivi2": KIVIConfig(2, 2, 32, 128),
     "kivi4": KIVIConfig(4, 4, 32, 128),
@@ -223,20 +351,26 @@ SPEC_HELP = (
     "and mins in float32/bfloat16 instead of float16; -prerope quantizes keys before RoPE; -s<S> keeps the first S "
     "tokens in full precision; -rotv quantizes values in a rotated basis; -rotk rotates queries and keys; "
     "-l<n>k<b>v<b> stores the first n layers with other key/value bits (e.g. -l2k4v4); -nuqk/-nuqv give keys/values "
-    "non-uniform codes (calibrated codebooks, kivi_jax/codebook.py)"
+    "non-uniform codes (calibrated codebooks, kivi_jax/codebook.py); "
+    "8-bit baselines: 'int8' (per token and kv head, a float16 scale each), 'fp8' (= fp8-e4m3) or 'fp8-e5m2' "
+    "(as stored, a per-tensor scale of 1), '-tok' for fp8 with per-token scales (e.g. fp8-e4m3-tok)"
 )
 
-def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
-    """'full', an alias or a spec string -> 'full' or a KIVIConfig; a KIVIConfig passes through."""
-    if isinstance(spec, KIVIConfig):
+def parse_cache_spec(spec) -> "FullSpec | KIVIConfig | Dense8Config":
+    """'full', an alias or a spec string -> its spec (FULL, a KIVIConfig or a Dense8Config); a spec passes through."""
+    if isinstance(spec, (FullSpec, KIVIConfig, Dense8Config)):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"a cache spec is a string or KIVIConfig, not {type(spec).__name__}")
+        raise TypeError(f"a cache spec is a string, KIVIConfig or Dense8Config, not {type(spec).__name__}")
     s = spec.strip().lower()
     if s == "full":
-        return "full"
+        return FULL
     if s in ALIASES:
         return ALIASES[s]
+    eight = _EIGHT.match(s)
+    if eight:
+        fmt = {"fp8": "fp8-e4m3"}.get(eight.group(1), eight.group(1))
+        return Dense8Config(fmt, per_token=fmt == "int8" or bool(eight.group(2)))
     m = _SPEC.match(s)
     if not m:
         raise ValueError(f"bad cache spec {spec!r}; {SPEC_HELP}")
@@ -261,6 +395,6 @@ def parse_cache_spec(spec: "str | KIVIConfig") -> "str | KIVIConfig":
         raise ValueError(f"bad cache spec {spec!r}: {e}") from e
 
 
-def spec_name(spec: "str | KIVIConfig") -> str:
-    """The canonical name of a parsed spec ('full' or e.g. 'k2v2-g32-r128')."""
+def spec_name(spec) -> str:
+    """The canonical name of a parsed spec ('full', 'int8' or e.g. 'k2v2-g32-r128')."""
     return spec if isinstance(spec, str) else spec.spec

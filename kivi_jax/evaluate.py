@@ -19,7 +19,7 @@ import numpy as np
 
 from kivi_jax import quant, rotation, sharding
 from kivi_jax.cache import make_cache
-from kivi_jax.config import bits_per_value, parse_cache_spec, spec_name
+from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
 from kivi_jax.models.decoder import NoCache, Params, forward, rope_inv_freq
 
@@ -93,8 +93,9 @@ def check_protocol(prefill: int, decode: int, windows: int) -> None:
 
 
 def cache_tokens(prefill: int, decode: int, spec) -> int:
-    """Cache size for a run: prefill + decode rounded up to the residual length (KIVI) or 128 (full)."""
-    multiple = 128 if spec == "full" else spec.residual_length
+    """Cache size for a run: prefill + decode rounded up to the spec's token multiple (KIVI: R), else to 128."""
+    multiple = parse_cache_spec(spec).token_multiple
+    multiple = multiple if multiple > 1 else 128
     return -(-(prefill + decode) // multiple) * multiple
 
 
@@ -272,6 +273,11 @@ ABLATION = (
     ("beyond: combined", "k3v2-g64-r128-prerope-s4-rotv"),
     ("presets", "kivi2+"),
     ("presets", "kivi3+"),
+    # the 8-bit baselines of vLLM / MaxText (kivi_jax/cache8.py): every token stored in 8 bits, no residual
+    ("8-bit", "int8"),
+    ("8-bit", "fp8-e4m3"),
+    ("8-bit", "fp8-e5m2"),
+    ("8-bit", "fp8-e4m3-tok"),
 )
 
 
@@ -285,17 +291,9 @@ def describe(spec: str, head_dim: int | None = None, tokens: int | None = None, 
     also the bits a cached value costs (codes, scales and mins, sinks spread over `tokens`, per-layer bits averaged
     over `num_layers`)."""
     cfg = parse_cache_spec(spec)
-    if cfg == "full":
-        return {"keys": "full", "values": "full", "G": "", "R": "", "options": "", "bits": 16.0}
-    options = [name for on, name in ((cfg.pre_rope, "pre-RoPE"), (cfg.sinks, f"{cfg.sinks} sinks"),
-                                     (cfg.rotate_values, "rotated values"), (cfg.rotate_keys, "rotated keys"),
-                                     (cfg.first_layers, f"first {cfg.first_layers} layers k{cfg.first_k_bits}"
-                                                        f"v{cfg.first_v_bits}"),
-                                     (cfg.k_codebook, "key codebook"), (cfg.v_codebook, "value codebook")) if on]
-    row = {"keys": f"{cfg.k_bits}-bit per-{cfg.key_axis}", "values": f"{cfg.v_bits}-bit per-{cfg.value_axis}",
-           "G": cfg.group_size, "R": cfg.residual_length, "options": ", ".join(options)}
-    if head_dim is not None:
-        row["bits"] = bits_per_value(cfg, head_dim, tokens, num_layers)
+    row = cfg.describe()
+    if head_dim is not None or cfg == "full":
+        row["bits"] = cfg.value_bits(head_dim, tokens, num_layers)
     return row
 
 

@@ -195,7 +195,7 @@ def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | Non
     """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets. Either way the
     prompt plus the new tokens must fit the model's `max_position_embeddings`."""
     need = prompt_len + max_new_tokens
-    multiple = CACHE_BUCKET if spec == "full" else math.lcm(CACHE_BUCKET, spec.residual_length)
+    multiple = math.lcm(CACHE_BUCKET, spec.token_multiple)
     if max_length is not None:
         check_int("max_length", max_length, 1)
         if need > cfg.max_position_embeddings:
@@ -344,8 +344,7 @@ def start(
             raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
     longest = max(len(p) for p in prompts)
     max_tokens = cache_size(longest, max_new_tokens, spec, max_length, cfg)
-    if spec != "full":
-        spec.check_shapes(cfg.head_dim, max_tokens)
+    spec.check_shapes(cfg.head_dim, max_tokens)
     if prefill_chunk is not None:
         check_chunk(prefill_chunk)
     batch = len(prompts)
@@ -391,10 +390,12 @@ def start(
         overflow = sharding.to_host(kv.overflow)[:batch] if hasattr(kv, "overflow") else None
         if overflow is not None and bool(np.any(overflow)):
             result["overflow"] = True
+            advice = ("Store scales in float32 (KIVIConfig(scale_dtype='float32'), spec suffix -sf32)."
+                      if isinstance(spec, KIVIConfig) else "Use the full cache or a KIVI cache with -sf32.")
             warnings.warn(
-                f"KIVI cache: a quantization scale or min overflowed {spec.scale_dtype} (|x| beyond its range) in "
-                "sequences " + str(np.flatnonzero(overflow).tolist()) + "; their output is unreliable. "
-                "Store scales in float32 (KIVIConfig(scale_dtype='float32'), spec suffix -sf32).",
+                f"{spec.spec} cache: a quantization scale or min overflowed "
+                f"{getattr(spec, 'scale_dtype', 'float16')} (|x| beyond its range) in "
+                "sequences " + str(np.flatnonzero(overflow).tolist()) + "; their output is unreliable. " + advice,
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -432,31 +433,26 @@ def raise_cache_errors(cache) -> None:
 
 def quantized_counts(length, spec) -> tuple[np.ndarray, np.ndarray]:
     """Tokens stored quantized, (keys `[batch]`, values `[batch]`), of a cache holding `length [batch]` tokens
-    (`layout.quantized_end` on each store's axis); a full cache quantizes nothing."""
+    (`quantized_tokens` of the spec: KIVI by each store's axis, an 8-bit cache all, a full cache none)."""
     length = np.asarray(length, np.int64)
-    if spec == "full":
-        return np.zeros_like(length), np.zeros_like(length)
-    r = spec.residual_length
-    return (np.asarray(layout.quantized_end(spec.key_axis, length, r)),
-            np.asarray(layout.quantized_end(spec.value_axis, length, r)))
+    return tuple(np.asarray(n, np.int64) for n in parse_cache_spec(spec).quantized_tokens(length))
 
 
 def cache_stats(cache, full_bytes: int, batch: int | None = None) -> dict:
     """What a cache holds and costs: tokens per sequence (the first `batch` rows), tokens quantized (keys, values),
     its bytes, and `full_bytes`, what a full-precision cache of the same shape takes (`full_cache_bytes`)."""
-    spec = getattr(cache, "config", None)
-    spec = spec if isinstance(spec, KIVIConfig) else "full"
+    spec = parse_cache_spec(cache.spec)
     length = sharding.to_host(cache.length)[:batch]
     kq, vq = quantized_counts(length, spec)
     return {
-        "cache": "full" if spec == "full" else spec.spec,
+        "cache": spec.spec,
         "max_tokens": int(cache.max_tokens),
         "tokens": length.tolist(),
         "keys_quantized": kq.tolist(),
         "values_quantized": vq.tolist(),
         "bytes": int(cache.nbytes),
         "full_bytes": int(full_bytes),
-        "residual_length": None if spec == "full" else spec.residual_length,
+        "residual_length": getattr(spec, "residual_length", None),
     }
 
 

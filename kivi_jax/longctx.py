@@ -285,8 +285,7 @@ def answer_cases(params: Params, cases: list[Case], spec, tokenizer, impl: str =
         groups.setdefault((cache_size(n, answer_tokens, spec, None, cfg), prefill_step(n, chunk)), []).append(case)
     records = []
     for (max_tokens, step), group in groups.items():
-        if spec != "full":
-            spec.check_shapes(cfg.head_dim, max_tokens)
+        spec.check_shapes(cfg.head_dim, max_tokens)
         prompts = [np.asarray(c.tokens, np.int32) for c in group]
         shared = np.array([[_common(a, b) for b in prompts] for a in prompts])  # [base, case] tokens in common
         base = int(np.argmax(shared.sum(axis=1)))

@@ -12,6 +12,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch on 2 threads is up to 100
 # real-model tests (`slow`) run their long decodes optimized as usual (at -O0 they took twice as long); see
 # `compile_fast` below.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# One persistent compilation cache for the whole run, shared by the xdist workers and every process the tests start:
+# many files compile the same programs of the same tiny models (each server module builds the same engine), and a
+# second compile of a program becomes a read. Fresh for each run (the controller makes it and removes it at the end,
+# so a clean CI run measures what a developer's does), unless JAX_COMPILATION_CACHE_DIR is already set.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kivi-jax-test-jit-")
+    os.environ["KIVI_JAX_TEST_JIT_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import numpy as np
 import pytest
@@ -42,6 +52,13 @@ TINY_CONFIGS = {
 LONGEST_FIRST = ("test_sharding.py", "test_native.py", "test_pallas_kivi.py", "test_beyond_kivi.py",
                  "test_pallas_tpu.py", "test_evaluate_real.py", "test_native_beyond.py", "test_real_model.py",
                  "test_kivi_cache.py")
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("KIVI_JAX_TEST_JIT_CACHE_OWNER") == str(os.getpid()):  # the process that made it
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

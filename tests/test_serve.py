@@ -65,7 +65,16 @@ def served(model):
 
     server = build(model)
     with ServerThread(server.app) as thread:
+        warm(thread.url)
         yield server, thread.url
+
+
+def warm(url: str) -> None:
+    """One request before the tests: the first one compiles the server's functions (about 40 s cold on 2 idle cores,
+    minutes on a busy CI machine), so that the tests' own timeouts measure a hang, not a compile."""
+    r = httpx.post(url + "/v1/completions", timeout=900,
+                   json={"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text[:300]
 
 
 @pytest.fixture(scope="module")

@@ -268,8 +268,7 @@ class Engine:
             raise ValueError(f"max_length={max_length} must be in [2, {cfg.max_position_embeddings}] (the model's "
                              "positions)")
         self.spec = parse_cache_spec(cache)
-        if self.spec != "full":
-            self.spec.check_shapes(cfg.head_dim, max_length)
+        self.spec.check_shapes(cfg.head_dim, max_length)
         # Slots in groups of `decode_group` (default: one group of all), each group its own batch cache: a decode
         # step runs one jitted call per group holding a live slot, so idle groups cost nothing.
         group = min(decode_group or slots, slots)
@@ -466,8 +465,8 @@ class Engine:
         slots, start, seq = [], 0, None
         scores = None
         if score_prompt:
-            # nothing is quantized until the ring first fills: up to R prompt tokens prefill as decode steps would
-            done = len(prompt) if self.spec == "full" else min(len(prompt), self.spec.residual_length)
+            # the prompt tokens one prefill scores as decode steps would (a KIVI cache: until the ring first fills)
+            done = self.spec.exact_prefill(len(prompt))
             scores, logits, seq = self.prefill_scored(prompt[:done], (prompt[1:] + [self.cfg.pad_id])[:done])
             scores = scores[: len(prompt) - 1]  # the last position predicts the first generated token
         else:

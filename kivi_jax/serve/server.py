@@ -34,7 +34,7 @@ def default_max_length(spec, cfg) -> int:
     """4096 tokens or the model's positions if fewer, rounded down to whole residual blocks for a KIVI cache."""
     n = min(DEFAULT_MAX_LENGTH, cfg.max_position_embeddings)
     spec = parse_cache_spec(spec)
-    return n if spec == "full" else n - n % spec.residual_length
+    return n - n % spec.token_multiple
 
 
 @dataclasses.dataclass
@@ -87,8 +87,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     max_length = default_max_length(spec, params.config) if max_length is None else max_length
     if slots is not None and cache_budget is not None:
         raise ValueError("give the slots or a cache budget, not both")
-    if spec != "full":
-        spec.check_shapes(params.config.head_dim, max_length)
+    spec.check_shapes(params.config.head_dim, max_length)
     capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1, mesh)
     if cache_budget is None:
         capacity.pop("budget_bytes")
