@@ -6,43 +6,11 @@ import argparse
 import json
 import sys
 
-from kivi_jax.cli_args import add_impl_arg, add_weights_arg, integer, writable_file
+from kivi_jax.cli_args import (_dtype, add_impl_arg, add_weights_arg, int_list, integer, spec_list, text_table as _table,
+                               writable_file)
 
 MODEL_HELP = ("'smollm2' (the real model), 'llama2-7b' or 'llama3-8b' (synthetic weights with those models' shapes), "
               "or a path (HF directory, .gguf, kivi_jax checkpoint)")
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1024,4096")
-    return values
-
-
-def spec_list(text: str) -> list[str]:
-    from kivi_jax.bench import split_impl
-    from kivi_jax.config import parse_cache_spec
-
-    specs = [s.strip() for s in text.split(",") if s.strip()]
-    for s in specs:
-        try:
-            parse_cache_spec(split_impl(s)[0])
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    if not specs:
-        raise argparse.ArgumentTypeError("give at least one cache spec, e.g. full,kivi2")
-    return specs
-
-
-def _dtype(name: str | None):
-    if name is None:
-        return None
-    import jax.numpy as jnp
-
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
 def _log(line: str) -> None:
@@ -62,7 +30,7 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None, dtype_help: s
 
 def add_bench_commands(sub) -> None:
     """The `decode`, `memory` and `generate` subcommands of `kivi-jax bench`."""
-    from kivi_jax.cli import add_mesh_args
+    from kivi_jax.cli_args import add_mesh_args
     d = sub.add_parser("decode", help="jit-compiled decode-step latency and tokens/s against the full-precision cache")
     _common(d, None, "compute dtype (default: as stored, float32; the full cache's element type)")
     d.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384], help="tokens in the cache (default 1024,4096,16384)")
@@ -102,14 +70,6 @@ def add_bench_commands(sub) -> None:
     add_serve_bench(sub)
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    cells = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _ratio(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -147,7 +107,7 @@ def cmd_decode(args) -> int:
     _check_positive(repeats=args.repeats, layers=args.layers)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, not {args.warmup}")
-    from kivi_jax.cli import mesh_from_args
+    from kivi_jax.cli_args import mesh_from_args
 
     mesh = mesh_from_args(args)
     _check_batches(args.batch, mesh)
@@ -265,7 +225,7 @@ def cmd_generate(args) -> int:
     from kivi_jax import bench
 
     _check_positive(repeats=args.repeats, layers=args.layers, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-    from kivi_jax.cli import mesh_from_args
+    from kivi_jax.cli_args import mesh_from_args
 
     mesh = mesh_from_args(args)
     _check_batches(args.batch, mesh)

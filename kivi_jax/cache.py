@@ -14,54 +14,20 @@ the vocabulary, gets a bit in `error_flags [batch]` (sticky), and its logits com
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from kivi_jax import attention, layout, quant, rotation, sharding
+from kivi_jax.cache8 import Dense8Cache, dense8_cache_bytes
 from kivi_jax.config import Dense8Config, KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import ModelConfig
 
 from kivi_jax.models.protocol import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError  # noqa: F401
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "native")
-
-def check_impl(impl: str) -> str:
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl {impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-    return impl
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of a pytree's array leaves, concrete or abstract (`jax.eval_shape`): what a cache reports as its size."""
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
-@sharding.per_shard(out="cache", buf="cache", rows="rows", values="cache")  # under a mesh: each shard its own rows
-def scatter_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """Writes `values [layers, batch, kv_heads, n, ...]` into `buf [layers, batch, kv_heads, rows, ...]` at token rows
-    `rows [batch, n]`, for every layer. Rows out of range (e.g. `buf.shape[3]`) are dropped: a sequence skips a write."""
-    batch = rows.shape[0]
-    vals = jnp.moveaxis(values, (1, 3), (0, 1)).astype(buf.dtype)  # [batch, n, layers, kv_heads, ...]
-    return buf.at[:, jnp.arange(batch)[:, None], :, rows].set(vals, mode="drop")
-
-
-def heads_first(x: jax.Array) -> jax.Array:
-    """New tokens `[batch, tokens, kv_heads, head_dim]` -> `[batch, kv_heads, tokens, head_dim]`."""
-    return jnp.swapaxes(x, 1, 2)
-
-
-def new_rows(length: jax.Array, num_new: jax.Array, tokens: int, max_tokens: int) -> jax.Array:
-    """`[batch, tokens]`: the row each new token goes to, `length + i`, or `max_tokens` (dropped) for padding."""
-    i = jnp.arange(tokens, dtype=jnp.int32)[None, :]
-    return jnp.where(i < num_new[:, None], length[:, None] + i, max_tokens)
-
-
-def capacity_flags(length: jax.Array, num_new: jax.Array, max_tokens: int) -> jax.Array:
-    """`[batch]` int32: PAST_CAPACITY where `length + num_new` exceeds the cache."""
-    return jnp.where(length + num_new > max_tokens, PAST_CAPACITY, 0).astype(jnp.int32)
+from kivi_jax.cache_rows import (ATTENTION_IMPLS, capacity_flags, check_impl, heads_first, new_rows,  # noqa: F401
+                                 scatter_rows, tree_bytes)
 
 
 @struct.dataclass
@@ -563,14 +529,10 @@ def make_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.fl
     `mesh` (a Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
     spec = parse_cache_spec(spec)
     if mesh is not None:
-        from kivi_jax import sharding
-
         return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl), mesh)
     if isinstance(spec, KIVIConfig):
         return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl)
     if isinstance(spec, Dense8Config):
-        from kivi_jax.cache8 import Dense8Cache
-
         return Dense8Cache.create(cfg, spec, batch, max_tokens, dtype, impl)
     return FullCache.create(cfg, batch, max_tokens, dtype, impl)
 
@@ -581,7 +543,5 @@ def cache_bytes(spec, cfg: ModelConfig, batch: int, max_tokens: int, compute_byt
     if isinstance(spec, KIVIConfig):
         return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes)["total"]
     if isinstance(spec, Dense8Config):
-        from kivi_jax.cache8 import dense8_cache_bytes
-
         return dense8_cache_bytes(cfg, spec, batch, max_tokens)["total"]
     return full_cache_bytes(cfg, batch, max_tokens, compute_bytes)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kivi_jax import attention
-from kivi_jax.cache import capacity_flags, check_impl, heads_first, new_rows, scatter_rows, tree_bytes
+from kivi_jax.cache_rows import capacity_flags, check_impl, heads_first, new_rows, scatter_rows, tree_bytes
 from kivi_jax.config import Dense8Config
 from kivi_jax.models.config import ModelConfig
 from kivi_jax.models.protocol import SCALE_OVERFLOW

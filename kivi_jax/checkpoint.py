@@ -343,7 +343,7 @@ def save(params: Params, path: str | os.PathLike, tokenizer=None, source: str | 
     whole; errors name `path`, never the partial directory."""
     import orbax.checkpoint as ocp
 
-    from kivi_jax.hub import partial_name
+    from kivi_jax.paths import partial_name
 
     path = check_output_dir(path)
     tmp = path.with_name(partial_name(path.name))

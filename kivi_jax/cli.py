@@ -8,113 +8,11 @@ import sys
 import time
 
 from kivi_jax import cli_args
-from kivi_jax.cli_args import integer, real, utf8_text, writable_file
+from kivi_jax.cli_args import (DTYPES, _dtype, add_cache_args, add_mesh_args, add_model_args,  # noqa: F401
+                               add_sampling_args, cache_from_args, integer, mesh_from_args, sampling_from_args,
+                               utf8_text, writable_file)
 from kivi_jax.config import SPEC_HELP
 from kivi_jax.quant import SUPPORTED_BITS
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _dtype(name: str | None):
-    if name is None:
-        return None
-    import jax.numpy as jnp
-
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
-
-
-def cache_from_args(args):
-    """The cache spec from `--cache` with `--k-bits/--v-bits/--group-size/--residual-length` overrides (which apply
-    to KIVI caches only: with `--cache full` they are an error, see cli_args.check_applicable)."""
-    import dataclasses
-
-    from kivi_jax.config import parse_cache_spec
-
-    cli_args.check_applicable(args)
-    spec = parse_cache_spec(args.cache)
-    overrides = {k: v for k, v in (("k_bits", args.k_bits), ("v_bits", args.v_bits), ("group_size", args.group_size),
-                                   ("residual_length", args.residual_length)) if v is not None}
-    if not overrides:
-        return spec
-    return dataclasses.replace(spec, **overrides)
-
-
-def _is_kivi(args) -> bool:
-    from kivi_jax.config import KIVIConfig, parse_cache_spec
-
-    return isinstance(parse_cache_spec(args.cache), KIVIConfig)
-
-
-_NOT_FOR_FULL = ("only a KIVI cache has bits, groups and a residual (not --cache full, int8 or fp8); drop the flag or "
-                 "choose a KIVI cache (--cache kivi2, kivi4, kivi2+, kivi3+ or k<bits>v<bits>[-g<G>][-r<R>])")
-
-
-def _is_sampling(args) -> bool:
-    return not getattr(args, "greedy", False) and bool(getattr(args, "temperature", None))
-
-
-def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
-    p.add_argument("--cache", default=default, help=f"cache kind (default {default}); {SPEC_HELP}")
-    cli_args.add_conditional(p, "--k-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=SUPPORTED_BITS,
-                             help="override the key bits of a KIVI --cache")
-    cli_args.add_conditional(p, "--v-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=SUPPORTED_BITS,
-                             help="override the value bits of a KIVI --cache")
-    cli_args.add_conditional(p, "--group-size", _is_kivi, _NOT_FOR_FULL, type=integer(1),
-                             help="override the group size G of a KIVI --cache")
-    cli_args.add_conditional(p, "--residual-length", _is_kivi, _NOT_FOR_FULL, type=integer(1),
-                             help="override the residual length R of a KIVI --cache (a multiple of G)")
-    cli_args.add_impl_arg(p)
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The sampling flags of generate and chat (and the prefill chunk)."""
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature is given)")
-    p.add_argument("--temperature", type=real(0.0), default=None, help="sampling temperature (> 0 samples; 0 = greedy)")
-    not_sampling = "greedy decoding (no --temperature, or --greedy) ignores it; add --temperature T > 0 to sample"
-    cli_args.add_conditional(p, "--top-k", _is_sampling, not_sampling, type=integer(0),
-                             help="sample from the K most likely tokens (0 = no cut; needs --temperature)")
-    cli_args.add_conditional(p, "--top-p", _is_sampling, not_sampling, type=real(0.0, 1.0, above=True),
-                             help="sample from the smallest set of tokens with mass P, in (0, 1] (needs --temperature)")
-    p.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="sampling seed (default 0)")
-    p.add_argument("--prefill-chunk", type=integer(1), default=512,
-                   help="prompt tokens a prefill call takes; longer prompts go in chunks of that shape (default 512)")
-
-
-def sampling_from_args(args) -> dict:
-    """The sampling keywords of generate / Chat from the shared flags."""
-    temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
-    return dict(temperature=temperature, top_k=0 if args.top_k is None else args.top_k,
-                top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, prefill_chunk=args.prefill_chunk)
-
-
-def add_mesh_args(p: argparse.ArgumentParser) -> None:
-    """`--mesh` and the multi-host flags, one definition for every subcommand that runs a model."""
-    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                   help="run sharded over a device mesh: the batch split D ways, heads, MLP and vocabulary M ways "
-                        "(D x M = the device count, devices taken in order; see docs/sharding.md)")
-    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="multi-host: process 0's address for jax.distributed (or JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, default=None,
-                   help="multi-host: processes in all (or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (or JAX_PROCESS_ID)")
-    p.add_argument("--distributed", action="store_true",
-                   help="multi-host on a cluster jax detects itself (TPU slice, SLURM, Open MPI): no other flags")
-
-
-def mesh_from_args(args):
-    """Starts jax.distributed if the flags or environment ask for it, then builds `--mesh` (None without it)."""
-    from kivi_jax import sharding
-
-    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
-    return sharding.resolve_mesh(args.mesh)
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default; fetched and converted once) or a path: HF directory, .gguf, kivi_jax checkpoint")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored, float32)")
-    cli_args.add_weights_arg(p)
-
 
 def cmd_generate(args) -> int:
     import kivi_jax
@@ -523,7 +421,8 @@ def add_eval_parser(sub) -> None:
         description="Runs the ablation through the cache: the four key/value axis combinations at 2 bits (G32, R128), "
                     "G in {32, 64, 128}, R in {32, 64, 128, 256}, mixed bits k2v4 and k4v2, plus full and kivi4; then "
                     "beyond KIVI: pre-RoPE keys, sinks, rotated values and keys, 3-bit codes, each alone on kivi2, "
-                    "then combined up to the presets kivi2+ and kivi3+; writes a markdown table (with bits a value) "
+                    "then combined up to the presets kivi2+ and kivi3+; the 8-bit baselines int8, fp8-e4m3, "
+                    "fp8-e5m2 and fp8-e4m3-tok; writes a markdown table (with bits a value) "
                     "and PNG plots of ΔNLL against full precision and against bits a value.",
         epilog=SPEC_HELP,
     )

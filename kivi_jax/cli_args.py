@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from kivi_jax.config import SPEC_HELP
+from kivi_jax.quant import SUPPORTED_BITS
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what shells report when the reader of stdout went away
 
@@ -234,3 +237,144 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="how the weights are held (default auto: a GGUF such as smollm2 keeps its own Q8_0/Q4_1 "
                         "blocks; others their float weights); float32, bfloat16, gguf, int8, int4-g32, int4-g64, "
                         "int4-g128, int4s-gG")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The flags shared by the subcommands that load a model: model, cache, sampling, mesh
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def cache_from_args(args):
+    """The cache spec from `--cache` with `--k-bits/--v-bits/--group-size/--residual-length` overrides (which apply
+    to KIVI caches only: with `--cache full` they are an error, see check_applicable)."""
+    import dataclasses
+
+    from kivi_jax.config import parse_cache_spec
+
+    check_applicable(args)
+    spec = parse_cache_spec(args.cache)
+    overrides = {k: v for k, v in (("k_bits", args.k_bits), ("v_bits", args.v_bits), ("group_size", args.group_size),
+                                   ("residual_length", args.residual_length)) if v is not None}
+    if not overrides:
+        return spec
+    return dataclasses.replace(spec, **overrides)
+
+
+def _is_kivi(args) -> bool:
+    from kivi_jax.config import KIVIConfig, parse_cache_spec
+
+    return isinstance(parse_cache_spec(args.cache), KIVIConfig)
+
+
+_NOT_FOR_FULL = ("only a KIVI cache has bits, groups and a residual (not --cache full, int8 or fp8); drop the flag or "
+                 "choose a KIVI cache (--cache kivi2, kivi4, kivi2+, kivi3+ or k<bits>v<bits>[-g<G>][-r<R>])")
+
+
+def _is_sampling(args) -> bool:
+    return not getattr(args, "greedy", False) and bool(getattr(args, "temperature", None))
+
+
+def add_cache_args(p: argparse.ArgumentParser, default: str = "kivi2") -> None:
+    p.add_argument("--cache", default=default, help=f"cache kind (default {default}); {SPEC_HELP}")
+    add_conditional(p, "--k-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=SUPPORTED_BITS,
+                             help="override the key bits of a KIVI --cache")
+    add_conditional(p, "--v-bits", _is_kivi, _NOT_FOR_FULL, type=int, choices=SUPPORTED_BITS,
+                             help="override the value bits of a KIVI --cache")
+    add_conditional(p, "--group-size", _is_kivi, _NOT_FOR_FULL, type=integer(1),
+                             help="override the group size G of a KIVI --cache")
+    add_conditional(p, "--residual-length", _is_kivi, _NOT_FOR_FULL, type=integer(1),
+                             help="override the residual length R of a KIVI --cache (a multiple of G)")
+    add_impl_arg(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of generate and chat (and the prefill chunk)."""
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature is given)")
+    p.add_argument("--temperature", type=real(0.0), default=None, help="sampling temperature (> 0 samples; 0 = greedy)")
+    not_sampling = "greedy decoding (no --temperature, or --greedy) ignores it; add --temperature T > 0 to sample"
+    add_conditional(p, "--top-k", _is_sampling, not_sampling, type=integer(0),
+                             help="sample from the K most likely tokens (0 = no cut; needs --temperature)")
+    add_conditional(p, "--top-p", _is_sampling, not_sampling, type=real(0.0, 1.0, above=True),
+                             help="sample from the smallest set of tokens with mass P, in (0, 1] (needs --temperature)")
+    p.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="sampling seed (default 0)")
+    p.add_argument("--prefill-chunk", type=integer(1), default=512,
+                   help="prompt tokens a prefill call takes; longer prompts go in chunks of that shape (default 512)")
+
+
+def sampling_from_args(args) -> dict:
+    """The sampling keywords of generate / Chat from the shared flags."""
+    temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
+    return dict(temperature=temperature, top_k=0 if args.top_k is None else args.top_k,
+                top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, prefill_chunk=args.prefill_chunk)
+
+
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """`--mesh` and the multi-host flags, one definition for every subcommand that runs a model."""
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run sharded over a device mesh: the batch split D ways, heads, MLP and vocabulary M ways "
+                        "(D x M = the device count, devices taken in order; see docs/sharding.md)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="multi-host: processes in all (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (or JAX_PROCESS_ID)")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host on a cluster jax detects itself (TPU slice, SLURM, Open MPI): no other flags")
+
+
+def mesh_from_args(args):
+    """Starts jax.distributed if the flags or environment ask for it, then builds `--mesh` (None without it)."""
+    from kivi_jax import sharding
+
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    return sharding.resolve_mesh(args.mesh)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default; fetched and converted once) or a path: HF directory, .gguf, kivi_jax checkpoint")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored, float32)")
+    add_weights_arg(p)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1024,4096")
+    return values
+
+
+def spec_list(text: str) -> list[str]:
+    from kivi_jax.bench import split_impl
+    from kivi_jax.config import parse_cache_spec
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    for s in specs:
+        try:
+            parse_cache_spec(split_impl(s)[0])
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one cache spec, e.g. full,kivi2")
+    return specs
+
+
+def text_table(header: list[str], rows: list[list]) -> str:
+    """Rows under a header, right-aligned columns, a dashed rule under the header."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -90,20 +90,6 @@ def normalized(x: np.ndarray, bits: int, axis: int) -> tuple[np.ndarray, np.ndar
     return np.clip((x - mn_s) / scale, 0, 2**bits - 1), scale
 
 
-def calibrate(params, windows, bits=(2, 3, 4), key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP,
-              sinks: int = SINKS, key_weights: str = "attention") -> dict[tuple[str, int], tuple[float, ...]]:
-    """Codebooks for keys and values at each of `bits`, from a full-precision prefill of `windows [batch, tokens]`
-    (tokens a multiple of `key_group`) on `params` (values rotated here, as `-rotv` quantizes them); see
-    `from_activations`."""
-    import jax.numpy as jnp
-
-    from kivi_jax import evaluate, rotation
-
-    params = rotation.rotate_values(params)
-    acts = evaluate.capture_qkv(params, jnp.asarray(windows, jnp.int32))
-    return from_activations(acts, bits, key_group, value_group, sinks, key_weights)
-
-
 def from_activations(acts, bits=(2, 3, 4), key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP,
                      sinks: int = SINKS, key_weights: str = "attention") -> dict[tuple[str, int], tuple[float, ...]]:
     """Codebooks from a prefill's activations (`evaluate.capture_qkv`), Lloyd-Max on their `histograms`."""

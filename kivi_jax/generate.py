@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import layout, rotation, sharding
+from kivi_jax import rotation, sharding
 from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
                             make_cache)
 from kivi_jax.config import KIVIConfig, parse_cache_spec

@@ -18,7 +18,6 @@ import dataclasses
 import importlib.util
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import threading
 import zipfile
 from pathlib import Path
 
-CACHE_ENV = "KIVI_JAX_CACHE"
+from kivi_jax.paths import CACHE_ENV, cache_root, partial_name  # noqa: F401 (part of this module's API)
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -52,12 +51,6 @@ MODELS = {
 }
 
 
-def cache_root() -> Path:
-    """Where converted models live: `$KIVI_JAX_CACHE`, else `~/.cache/kivi_jax`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kivi_jax"
-
-
 def model_dir(name: str) -> Path:
     return cache_root() / name
 
@@ -75,11 +68,6 @@ def _installed_gguf(spec: HubModel) -> Path | None:
         return None
     path = Path(list(found.submodule_search_locations)[0]) / Path(spec.member).name
     return path if path.is_file() else None
-
-
-def partial_name(name: str) -> str:
-    """A name for `name`'s in-progress copy that no other writer uses: `NAME.partial-PID-RANDOM`."""
-    return f"{name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 _PARTIAL = re.compile(r"\.partial-(\d+)(?:-[0-9a-f]+)?$")

@@ -16,7 +16,6 @@ for every parameter and cache leaf, placement of params and caches, the per-shar
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
@@ -33,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from kivi_jax.models import registry
 
-MESH_AXES = ("data", "model")
+from kivi_jax.mesh_scope import MESH_AXES, active_mesh, use_mesh  # noqa: F401 (part of this module's API)
 
 # The one table: logical axis -> mesh axis (None: never split). A dimension that the mesh axis does not divide is
 # replicated instead (batch excepted: it must divide the data axis), and heads follow `heads_sharded`.
@@ -117,27 +116,6 @@ def resolve_mesh(mesh) -> Mesh | None:
             raise MeshError(f"a kivi_jax mesh has the axes {MESH_AXES}, not {tuple(mesh.axis_names)}")
         return mesh
     raise TypeError(f"mesh must be a jax.sharding.Mesh or a string like 'data=2,model=4', not {type(mesh).__name__}")
-
-
-def use_mesh(mesh):
-    """A context in which jit-compiled code runs on `mesh` (`jax.set_mesh`); nothing at all for None.
-
-    Decode attention looks for this mesh to run per shard; code traced inside it is cached apart from code traced
-    outside it."""
-    if mesh is None:
-        return contextlib.nullcontext()
-    return jax.set_mesh(mesh)
-
-
-def active_mesh():
-    """The mesh of the enclosing `use_mesh` (an AbstractMesh while tracing), or None: none set, or inside
-    `shard_map` already (manual axes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or set(mesh.axis_names) != set(MESH_AXES):
-        return None
-    if getattr(mesh, "manual_axes", ()):
-        return None
-    return mesh
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -129,11 +129,12 @@ class QuantizedMatrix:
         """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
         if self.impl == "xla":
             return "impl='xla'"
-        from kivi_jax import native, sharding
+        from kivi_jax import native
+        from kivi_jax.mesh_scope import active_mesh
         from kivi_jax.native import matmul
 
         reason = matmul.unsupported(self, rows, x_dtype)
-        if reason is None and sharding.active_mesh() is not None:
+        if reason is None and active_mesh() is not None:
             reason = "a device mesh is active (XLA partitions the dot)"
         if reason is None and not native.available():
             reason = f"the native kernels are unavailable ({native.error()})"

@@ -14,6 +14,19 @@ import json
 import time
 
 
+def calibrate(params, windows, bits=(2, 3, 4), key_weights: str = "attention"):
+    """Codebooks for keys and values at each of `bits`, from a full-precision prefill of `windows [batch, tokens]`
+    (tokens a multiple of the key group) on `params` (values rotated here, as `-rotv` quantizes them); see
+    `codebook.from_activations`."""
+    import jax.numpy as jnp
+
+    from kivi_jax import codebook, evaluate, rotation
+
+    params = rotation.rotate_values(params)
+    acts = evaluate.capture_qkv(params, jnp.asarray(windows, jnp.int32))
+    return codebook.from_activations(acts, bits, key_weights=key_weights)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bits", default="2,3,4", help="bit widths to calibrate (default 2,3,4)")
@@ -23,14 +36,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import kivi_jax
-    from kivi_jax import codebook, evaluate
+    from kivi_jax import evaluate
 
     t0 = time.time()
     model = kivi_jax.load("smollm2", progress=False)
     tokens = evaluate.tokenize(model.tokenizer, evaluate.default_text())
     windows = evaluate.make_windows(tokens, 512, 256, 4, "dev")[:, :768]
     bits = tuple(int(b) for b in args.bits.split(","))
-    levels = codebook.calibrate(model.params, windows, bits, key_weights=args.key_weights)
+    levels = calibrate(model.params, windows, bits, key_weights=args.key_weights)
     seconds = time.time() - t0
     print(f"# {evaluate.default_text_name()}, dev windows at "
           f"{evaluate.window_starts(len(tokens), 512, 256, 4, 'dev')}, key weights {args.key_weights}, "

@@ -70,7 +70,7 @@ def compiler() -> str:
 
 
 def cache_dir() -> Path:
-    from kivi_jax.hub import cache_root
+    from kivi_jax.paths import cache_root
 
     return cache_root() / "native"
 

@@ -10,7 +10,7 @@ import sys
 
 def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> None:
     """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
-    from kivi_jax.cli import add_cache_args, add_mesh_args, add_model_args
+    from kivi_jax.cli_args import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.cli_args import integer
     from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK
 
@@ -58,7 +58,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
     before the model loads (`serve` binds its port there, so that a busy port fails at once)."""
     import kivi_jax
     from kivi_jax.bench import parse_bytes
-    from kivi_jax.cli import _dtype, cache_from_args, mesh_from_args
+    from kivi_jax.cli_args import _dtype, cache_from_args, mesh_from_args
     from kivi_jax.serve.server import build_server, check_serve_extra
 
     spec = cache_from_args(args)  # a bad spec, size or missing extra fails before the model loads

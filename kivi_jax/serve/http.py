@@ -32,9 +32,8 @@ from starlette.requests import ClientDisconnect
 from kivi_jax.serve import grammar as grammar_mod
 from kivi_jax.serve.engine import Out
 from kivi_jax.serve.sampling import MAX_LOGPROBS, RowSampling
-from kivi_jax.serve.scheduler import (SHUTTING_DOWN, TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler,
-                                      ShuttingDown)
-from kivi_jax.serve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+from kivi_jax.serve.scheduler import (DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, SHUTTING_DOWN,
+                                      TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler, ShuttingDown)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64

@@ -178,7 +178,7 @@ def plot_serve(rows: list[dict], title: str, path) -> str:
 
 def add_serve_bench(sub) -> None:
     """The `serve` subcommand of `kivi-jax bench`."""
-    from kivi_jax.bench_cli import int_list
+    from kivi_jax.cli_args import int_list
     from kivi_jax.serve.cli import add_serve_args
 
     p = sub.add_parser("serve", help="load benchmark of `kivi-jax serve`: concurrent streaming clients, "
@@ -202,7 +202,7 @@ def add_serve_bench(sub) -> None:
 
 def cmd_bench_serve(args) -> int:
     from kivi_jax import bench
-    from kivi_jax.bench_cli import spec_list
+    from kivi_jax.cli_args import spec_list
     from kivi_jax.serve.cli import server_from_args
     from kivi_jax.serve.server import check_serve_extra
 
@@ -241,7 +241,7 @@ def cmd_bench_serve(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    from kivi_jax.bench_cli import _table
+    from kivi_jax.cli_args import text_table as _table
 
     for name, s in servers.items():
         print(f"# {name}: {s['slots']} slots")

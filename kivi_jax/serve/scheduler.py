@@ -23,6 +23,9 @@ from typing import Callable
 from kivi_jax.serve.engine import Engine, Out
 from kivi_jax.serve.sampling import RowSampling
 
+DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # as text-generation-inference's payload limit: far past any prompt a slot holds
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after SIGTERM
+
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is averaged
 COUNTERS = ("requests_queued", "requests_rejected", "requests_finished", "requests_cancelled", "requests_failed",
             "prompt_tokens", "completion_tokens")

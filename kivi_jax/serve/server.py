@@ -7,12 +7,10 @@ import dataclasses
 from kivi_jax import sharding
 from kivi_jax.config import parse_cache_spec, spec_name
 from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK, Engine, capacity_report
-from kivi_jax.serve.scheduler import Scheduler
+from kivi_jax.serve.scheduler import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, Scheduler  # noqa: F401
 
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SLOTS = 8
-DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # as text-generation-inference's payload limit: far past any prompt a slot holds
-DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after SIGTERM
 
 
 SERVE_EXTRA = 'pip install "kivi-jax[serve]" (from a checkout: pip install ".[serve]")'
