@@ -246,3 +246,27 @@ def test_stop_token_ids_and_usage_on_every_chunk(model, served):
     used = [c["usage"]["completion_tokens"] for c in chunks]
     assert used == sorted(used) and used[-1] == 5 and chunks[-1]["choices"] == []
     assert all(c["usage"]["prompt_tokens"] == len(p) for c in chunks)
+
+
+def test_a_scale_overflow_reaches_the_client_as_a_warning(model, served):
+    """Keys beyond float16's range (the key projection times 1e7) overflow the cache's float16 scales once a key block
+    is quantized: the answer carries a `warnings` field saying so, streamed or not; a healthy answer has none."""
+    from kivi_jax.serve.http import ServerThread
+
+    layers = model.params.layers
+    hot = model._replace(params=model.params.replace(layers=layers.replace(wk=layers.wk * 1e7)))
+    prompt = prompts(21, [40])[0]  # past the 16-token ring: a key block is quantized at prefill
+    server = build(hot)
+    with ServerThread(server.app) as thread:
+        r = post(thread.url, {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text[:300]
+        warnings = r.json()["warnings"]
+        one = post(thread.url, {"prompt": prompt, "max_tokens": 1})  # no decode step: the prefill's flag
+        assert one.json()["warnings"] == warnings
+        assert len(warnings) == 1 and "overflowed float16" in warnings[0] and "-sf32" in warnings[0]
+        with httpx.stream("POST", thread.url + COMPLETIONS, timeout=120,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert [c["warnings"] for c in chunks if "warnings" in c] == [warnings]
+    healthy = post(served[1], {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+    assert healthy.status_code == 200 and "warnings" not in healthy.json()

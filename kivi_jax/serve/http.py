@@ -597,6 +597,8 @@ class API:
                         yield "data: " + json.dumps(self._error(ev).body()) + "\n\n"
                         break
                     else:  # end
+                        if ev.warnings:
+                            yield chunk([], warnings=ev.warnings)
                         if parsed.include_usage:
                             yield chunk([], usage=ev.usage)
                         break
@@ -634,7 +636,8 @@ class API:
             choices.append(choice)
         return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": end.usage}
+                "model": self.model_name, "choices": choices, "usage": end.usage,
+                **({"warnings": end.warnings} if end.warnings else {})}
 
     def _prompt_only(self, parsed: Parsed) -> dict:
         """echo with max_tokens 0 and no logprobs: the prompt back, nothing computed."""

@@ -58,6 +58,7 @@ class Event:
     index: int = 0  # the choice
     logprobs: list[Out] | None = None  # one per token id of this delta, when asked for
     prompt: list[Out] | None = None  # the prompt's scores (its tokens after the first), once all are known
+    warnings: list[str] = dataclasses.field(default_factory=list)  # of an end: what makes the answer unreliable
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -99,6 +100,7 @@ class Request:
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     choices: list[Choice] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)  # sent with the end (the `warnings` field)
 
     def __post_init__(self):
         if not self.choices:
@@ -116,6 +118,13 @@ class Request:
     def usage(self) -> dict:
         p, c = len(self.prompt), sum(len(ch.generated) for ch in self.choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def overflow_warning(spec: str, index: int) -> str:
+    """What a client is told when a float16 scale overflowed in its choice's cache row."""
+    return (f"choice {index}: a quantization scale of the {spec} cache overflowed float16 (a key or value beyond its "
+            "range); this answer is unreliable. Serve a cache with float32 scales (spec suffix -sf32, e.g. "
+            "k2v2-g32-r128-sf32) or the full cache.")
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -384,6 +393,8 @@ class Scheduler:
 
     def _finish(self, req: Request, choice: Choice, slot: int, reason: str) -> None:
         choice.finish_reason = reason
+        if self.engine.overflowed(slot):
+            req.warnings.append(overflow_warning(self.engine.spec_name, choice.index))
         del self.active[slot]
         self.engine.finish(slot, hold=self.hold_prefixes)
         req.emit(Event("done", finish_reason=reason, index=choice.index))
@@ -391,4 +402,4 @@ class Scheduler:
             self.count("requests_finished")
             self.count("prompt_tokens", len(req.prompt))
             self.count("completion_tokens", req.usage["completion_tokens"])
-            req.emit(Event("end", usage=req.usage))
+            req.emit(Event("end", usage=req.usage, warnings=list(req.warnings)))
