@@ -15,10 +15,14 @@ from flax import struct
 from kivi_jax import attention
 from kivi_jax.cache_rows import capacity_flags, check_impl, heads_first, new_rows, scatter_rows, tree_bytes
 from kivi_jax.config import Dense8Config
+from kivi_jax.mesh_scope import active_mesh
 from kivi_jax.models.config import ModelConfig
 from kivi_jax.models.protocol import SCALE_OVERFLOW
 
-KERNEL_REASON = "no kernel reads 8-bit (int8 / fp8) caches yet: the XLA path serves them"
+PALLAS_REASON = "no Pallas kernel reads 8-bit (int8 / fp8) caches: the XLA path serves them"
+# Whether `attention_impl="auto"` takes the native kernel on the CPU backend (docs/benchmarks.md, "8-bit caches")
+EIGHT_AUTO = True
+MESH_REASON = "the native 8-bit kernel does not run per shard under a mesh: the XLA path serves it"
 
 
 def quantize8(x: jax.Array, config: Dense8Config) -> tuple[jax.Array, jax.Array | None]:
@@ -33,17 +37,24 @@ def quantize8(x: jax.Array, config: Dense8Config) -> tuple[jax.Array, jax.Array 
     else:
         scale = None
     x = jnp.clip(x, -top, top)
-    if config.fmt == "int8":
-        x = jnp.round(x)
-    return x.astype(config.dtype), scale
+    x = jnp.round(x) if config.fmt == "int8" else x
+    # kept as bytes: XLA:CPU moves uint8 buffers as they are (float8 ones it widens, a whole-cache cost), and the
+    # native kernel reads them without a bitcast (which copied the cache a step)
+    return jax.lax.bitcast_convert_type(x.astype(config.dtype), jnp.uint8), scale
+
+
+def values8(codes: jax.Array, config: Dense8Config) -> jax.Array:
+    """Stored bytes (of an int8 or fp8 value) -> their values in float32 (without the scale)."""
+    return jax.lax.bitcast_convert_type(codes, config.dtype).astype(jnp.float32)
 
 
 @struct.dataclass
 class Store8:
     """One 8-bit tensor (keys or values), all layers stacked, read a block at a time by the attention (`read`)."""
 
-    data: jax.Array  # [layers, batch, kv_heads, max_tokens, head_dim] int8 / float8
+    data: jax.Array  # [layers, batch, kv_heads, max_tokens, head_dim] uint8: the bytes of int8 / float8 values
     scale: jax.Array | None  # [layers, batch, kv_heads, max_tokens, 1] float16, or None (a scale of 1)
+    config: Dense8Config = struct.field(pytree_node=False, default=Dense8Config())
 
     @property
     def shape(self) -> tuple:
@@ -51,7 +62,7 @@ class Store8:
 
     def read(self, layer, start, size: int) -> jax.Array:
         """Tokens `[start, start + size)` of one layer in float32 `[batch, kv_heads, size, head_dim]`."""
-        x = attention.layer_tokens(self.data, layer, start, size).astype(jnp.float32)
+        x = values8(attention.layer_tokens(self.data, layer, start, size), self.config)
         if self.scale is None:
             return x
         return x * attention.layer_tokens(self.scale, layer, start, size).astype(jnp.float32)
@@ -93,8 +104,8 @@ class Dense8Cache:
                impl: str = "auto") -> "Dense8Cache":
         config.check_shapes(cfg.head_dim, max_tokens)
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_tokens, cfg.head_dim)
-        store = lambda: Store8(jnp.zeros(shape, config.dtype),
-                               jnp.zeros(shape[:4] + (1,), jnp.float16) if config.per_token else None)
+        store = lambda: Store8(jnp.zeros(shape, jnp.uint8),
+                               jnp.zeros(shape[:4] + (1,), jnp.float16) if config.per_token else None, config)
         return cls(k=store(), v=store(), length=jnp.zeros((batch,), jnp.int32),
                    error_flags=jnp.zeros((batch,), jnp.int32), config=config, compute=jnp.dtype(dtype).name,
                    impl=check_impl(impl))
@@ -124,13 +135,38 @@ class Dense8Cache:
     def attend(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
         """New tokens' attention over this layer as stored (the new tokens themselves in full precision) and their
         8-bit rows."""
-        attention.fall_back(self.impl, KERNEL_REASON)
         k = rope(k, positions).astype(self.dtype)
         v = v.astype(self.dtype)
-        out = attention.attend_full_xla(q, positions, self.k, self.v, layer, self.length, k, v, num_new, window,
-                                        softcap=softcap)
+        if q.shape[1] == 1 and self.native_serves(q, softcap):
+            from kivi_jax import native
+
+            out = native.decode_eight(q, self.k, self.v, layer, self.length, k, v, window, self.config.fmt)
+        else:
+            out = attention.attend_full_xla(q, positions, self.k, self.v, layer, self.length, k, v, num_new, window,
+                                            softcap=softcap)
         (kq, ks), (vq, vs) = quantize8(heads_first(k), self.config), quantize8(heads_first(v), self.config)
         return out, Dense8Update(kq, vq, ks, vs)
+
+    def native_serves(self, q, softcap) -> bool:
+        """Whether a decode step (one new token) runs the native CPU kernel: `native`, or `auto` on the CPU backend
+        (`EIGHT_AUTO`), where it builds and serves the shapes; a forced kernel that cannot says why."""
+        if self.impl == "pallas":
+            attention.fall_back(self.impl, PALLAS_REASON)
+        if softcap is not None:
+            attention.fall_back(self.impl, attention.SOFTCAP_REASON)
+            return False
+        if self.impl == "auto" and not EIGHT_AUTO:
+            return False
+        if not attention.use_native(self.impl):
+            return False
+        from kivi_jax import native
+
+        reason = native.unsupported_eight(q.dtype, q.shape[-1])
+        if reason is None and active_mesh() is not None:
+            reason = MESH_REASON
+        if reason is not None:
+            attention.fall_back(self.impl, reason)
+        return reason is None
 
     def commit(self, updates: Dense8Update, num_new: jax.Array) -> "Dense8Cache":
         """Writes every layer's new rows (stacked on a leading layer axis) and advances `length` by `num_new`."""

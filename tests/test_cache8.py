@@ -12,7 +12,7 @@ import pytest
 import kivi_jax
 from kivi_jax import attention
 from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache
-from kivi_jax.cache8 import Dense8Cache, Dense8Update, quantize8
+from kivi_jax.cache8 import Dense8Cache, Dense8Update, quantize8, values8
 from kivi_jax.config import Dense8Config, parse_cache_spec, spec_name
 from kivi_jax.evaluate import describe
 from kivi_jax.models.config import LlamaConfig
@@ -57,18 +57,20 @@ def test_stored_values_are_within_half_a_step_and_fp8_saturates():
     rng = np.random.RandomState(0)
     x = jnp.asarray(rng.randn(3, 7, 32).astype(np.float32) * np.exp(rng.randn(3, 7, 1)))
     codes, scale = quantize8(x, parse_cache_spec("int8"))
-    assert codes.dtype == jnp.int8 and scale.shape == (3, 7, 1) and scale.dtype == jnp.float16
-    back = codes.astype(jnp.float32) * scale.astype(jnp.float32)
+    assert codes.dtype == jnp.uint8 and scale.shape == (3, 7, 1) and scale.dtype == jnp.float16  # the int8's bytes
+    back = values8(codes, parse_cache_spec("int8")) * scale.astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(values8(codes, parse_cache_spec("int8"))))) <= 127
     assert float(jnp.max(jnp.abs(back - x) / scale.astype(jnp.float32))) <= 0.5 + 1e-3
     for spec, mantissa in (("fp8-tok", 3), ("fp8-e5m2-tok", 2)):
         codes, scale = quantize8(x, parse_cache_spec(spec))
-        back = codes.astype(jnp.float32) * scale.astype(jnp.float32)
+        assert codes.dtype == jnp.uint8  # the float8 value's bytes
+        back = values8(codes, parse_cache_spec(spec)) * scale.astype(jnp.float32)
         normal = jnp.abs(x) > 0.02 * scale.astype(jnp.float32) * parse_cache_spec(spec).max_value  # not subnormal
         rel = jnp.where(normal, jnp.abs(back - x) / jnp.abs(x), 0)
         assert float(rel.max()) <= 2.0 ** -(mantissa + 1) * 1.01, spec  # half a unit in the last place
     big = jnp.asarray([[1000.0, -1e6, 3.0, 0.0]])
     codes, scale = quantize8(big, parse_cache_spec("fp8"))
-    assert scale is None and np.asarray(codes.astype(jnp.float32)).tolist() == [[448.0, -448.0, 3.0, 0.0]]
+    assert scale is None and np.asarray(values8(codes, parse_cache_spec("fp8"))).tolist() == [[448.0, -448.0, 3.0, 0.0]]
     codes, scale = quantize8(jnp.zeros((2, 8)), parse_cache_spec("int8"))  # an all-zero token: zeros, not NaN
     assert np.all(np.asarray(codes) == 0) and np.all(np.asarray(scale) == 0)
 
@@ -164,10 +166,12 @@ def test_bytes_equal_the_formula(spec):
     assert cache_bytes(spec, cfg, 2, 1000, 2) - 16 == (full - 16) // 2 * (1 + per_token * 2 / 128)
 
 
-def test_a_forced_kernel_says_it_cannot_read_eight_bit_caches_and_auto_is_quiet():
-    params = init_params(CFG, jax.random.PRNGKey(0))
-    tokens = jnp.asarray(np.random.RandomState(5).randint(0, CFG.vocab_size, (1, 6)))
-    with pytest.warns(UserWarning, match="no kernel reads 8-bit"):
+def test_a_forced_kernel_that_cannot_serve_says_why_and_auto_is_quiet():
+    params = init_params(CFG, jax.random.PRNGKey(0))  # head_dim 32: the native kernel serves 64 and 128
+    tokens = jnp.asarray(np.random.RandomState(5).randint(0, CFG.vocab_size, (1, 1)))
+    with pytest.warns(UserWarning, match="no Pallas kernel reads 8-bit"):
+        forward(params, tokens, make_cache("int8", CFG, 1, 16, impl="pallas"))
+    with pytest.warns(UserWarning, match="head_dim"):
         forward(params, tokens, make_cache("int8", CFG, 1, 16, impl="native"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -221,3 +225,53 @@ def test_the_serving_engine_on_an_int8_cache_gives_generate_s_greedy_tokens(tiny
     out = [tok] + [eng.step()[slot] for _ in range(7)]
     ref = kivi_jax.generate(model, prompt, max_new_tokens=8, cache="int8", max_length=64, stop_at_eos=False)
     assert out == ref.token_ids
+
+
+@pytest.mark.parametrize("spec, window, head_dim, n_rep", [("int8", None, 64, 2), ("fp8", 23, 128, 1),
+                                                           ("fp8-e5m2-tok", None, 64, 3), ("fp8-e5m2", 40, 128, 4),
+                                                           ("fp8-tok", None, 64, 5)])
+def test_the_native_kernel_equals_the_xla_path(spec, window, head_dim, n_rep):
+    """The C++ decode kernel (kivi_jax/native) against its twin, the XLA path over the same stores: ragged lengths
+    that are not multiples of its 64-token chunks, every format, both head dims, windows, GQA of 1 to 5 rows."""
+    from kivi_jax import native
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the native kernels run on the CPU backend")
+    assert native.available(), native.error()
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
+                      num_kv_heads=2, head_dim=head_dim)
+    batch, max_tokens = 3, 300
+    k, v = random_kv(5, batch, max_tokens, cfg)
+    cache = append8_jit(make_cache(spec, cfg, batch, max_tokens), k, v, jnp.asarray([1, 130, 299]))
+    rng = np.random.RandomState(6)
+    q = jnp.asarray(rng.randn(batch, 1, cfg.num_heads, head_dim).astype(np.float32))
+    k_new, v_new = (jnp.asarray(rng.randn(batch, 1, 2, head_dim).astype(np.float32)) for _ in range(2))
+
+    @jax.jit
+    def both(cache, q, k_new, v_new):
+        return [(native.decode_eight(q, cache.k, cache.v, layer, cache.length, k_new, v_new, window,
+                                     cache.config.fmt),
+                 attention.attend_full_xla(q, cache.length[:, None], cache.k, cache.v, layer, cache.length, k_new,
+                                           v_new, jnp.ones_like(cache.length), window))
+                for layer in range(cfg.num_layers)]
+
+    for ours, twin in both(cache, q, k_new, v_new):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(twin), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_takes_the_native_kernel_on_the_cpu_and_greedy_tokens_agree(monkeypatch):
+    from kivi_jax import cache8, native
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the native kernels run on the CPU backend")
+    calls = []
+    real = native.decode_eight
+    monkeypatch.setattr(native, "decode_eight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64)  # a head_dim the kernel serves
+    params = init_params(cfg, jax.random.PRNGKey(3))
+    prompt = np.random.RandomState(10).randint(3, 120, 30).tolist()
+    got = kivi_jax.generate(params, prompt, max_new_tokens=8, cache="int8", stop_at_eos=False)
+    assert calls and cache8.EIGHT_AUTO  # traced into the decode step
+    xla = kivi_jax.generate(params, prompt, max_new_tokens=8, cache="int8", stop_at_eos=False, attention_impl="xla")
+    assert got.token_ids == xla.token_ids

@@ -30,7 +30,7 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc")  # compiled into one library
 HEADERS = (HERE / "simd.h",)
 TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode",
-           "kivi_jax_qmatmul": "KiviJaxQMatmul"}
+           "kivi_jax_eight_decode": "KiviJaxEightDecode", "kivi_jax_qmatmul": "KiviJaxQMatmul"}
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")

@@ -111,3 +111,31 @@ def decode_full(q, k_cache, v_cache, layer, length, k_new, v_new, window) -> jax
         _stacked(v_cache, layer).astype(jnp.float32), _layer_operand(layer), length.astype(jnp.int32),
         k_new.astype(jnp.float32), v_new.astype(jnp.float32), window=_window(window),
     )
+
+
+EIGHT_FORMATS = {"int8": 0, "fp8-e4m3": 1, "fp8-e5m2": 2}  # the kernel's `fmt` attribute
+
+
+def unsupported_eight(q_dtype, head_dim: int) -> str | None:
+    """Why the native kernel cannot serve an 8-bit cache (kivi_jax.cache8), or None when it can."""
+    if head_dim not in HEAD_DIMS:
+        return f"the kernel handles head_dim {HEAD_DIMS}, not {head_dim}"
+    if jnp.dtype(q_dtype) != jnp.float32:
+        return f"the kernel computes in float32, not {jnp.dtype(q_dtype).name}"
+    return None
+
+
+def decode_eight(q, k_store, v_store, layer, length, k_new, v_new, window, fmt: str) -> jax.Array:
+    """Decode attention over one layer of an 8-bit cache (`cache8.Store8`: codes `[layers, batch, kv_heads, tokens,
+    head_dim]`, the uint8 bytes of int8 / float8 values, per-token float16 scales or None) with the native kernel; the twin of
+    `attend_full_xla` over the same stores with T = 1."""
+    if build.load() is None:
+        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
+    codes = [k_store.data, v_store.data]  # uint8: the values' bytes
+    scaled = k_store.scale is not None
+    none = jnp.zeros((1,), jnp.float16)
+    scales = [s.scale.astype(jnp.float16) if scaled else none for s in (k_store, v_store)]
+    call = jax.ffi.ffi_call("kivi_jax_eight_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), *codes, *scales, _layer_operand(layer), length.astype(jnp.int32),
+                k_new.astype(jnp.float32), v_new.astype(jnp.float32), window=_window(window),
+                fmt=EIGHT_FORMATS[fmt], scaled=int(scaled))

@@ -441,6 +441,11 @@ struct FullArgs {
   int64_t B, H, n_rep, D, T, L, layer;
   int64_t window;
   const float *q, *k, *v;
+  // 8-bit caches (EIGHT): codes [L, B, H, T, D] in format `fmt` (widen_bytes), times a float16 scale per token
+  // (ks / vs [L, B, H, T], or null: a scale of 1)
+  const uint8_t *k8 = nullptr, *v8 = nullptr;
+  const uint16_t *ks = nullptr, *vs = nullptr;
+  int64_t fmt = 0;
   const int32_t* length;
   int64_t splits;
   int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
@@ -448,14 +453,52 @@ struct FullArgs {
 
 constexpr int FULL_CHUNK = 64;
 
-template <int NR, int D>
+// W bytes of an 8-bit format (0 int8, 1 float8 e4m3fn, 2 float8 e5m2) as float32 lanes, by integer arithmetic on the
+// bits (what jnp.float8_e4m3fn / float8_e5m2 hold): a normal float8 moves its exponent and mantissa into place,
+// a subnormal one is its mantissa times the smallest step, e4m3fn's 0x7f / 0xff are NaN, e5m2's top exponent is
+// infinity or NaN as in IEEE.
+inline vf widen_bytes(const uint8_t* p, int64_t fmt) {
+  const vi v = widen(p);  // [0, 255] a lane
+  if (fmt == 0) return __builtin_convertvector((v ^ 0x80) - 0x80, vf);  // two's complement
+  const int man_bits = fmt == 1 ? 3 : 2, bias = fmt == 1 ? 7 : 15, max_exp = fmt == 1 ? 15 : 31;
+  const vi sign = (v & 0x80) << 24, exp = (v >> man_bits) & max_exp, man = v & ((1 << man_bits) - 1);
+  vi bits = sign | ((exp + (127 - bias)) << 23) | (man << (23 - man_bits));
+  vf sub = __builtin_convertvector(man, vf) * std::ldexp(1.0f, 1 - bias - man_bits);
+  vi sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub));
+  bits = exp == 0 ? (sub_bits | sign) : bits;
+  if (fmt == 1) bits = (exp == max_exp) & (man == 7) ? (sign | 0x7fc00000) : bits;
+  else bits = exp == max_exp ? (sign | 0x7f800000 | (man << 21)) : bits;
+  vf out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// One token's 8-bit row widened to float32: each code's value times the token's scale.
+template <int D>
+inline const float* widen8(const uint8_t* codes, const uint16_t* scale, int64_t fmt, float* row) {
+  const float s = scale ? half_to_float(*scale) : 1.0f;
+  for (int k = 0; k < D / W; ++k) vstore(row + k * W, widen_bytes(codes + k * W, fmt) * s);
+  return row;
+}
+
+template <int NR, int D, bool EIGHT>
 void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, float* part) {
   const int64_t hi = a.head_index(b, h);
   const int64_t length = a.length[b];
   const int64_t lo = a.window > 0 ? std::max<int64_t>(length - a.window + 1, 0) : 0;
   const int nr = std::min<int>(NR, a.n_rep - r0);
-  const float* kp = a.k + hi * a.T * D;
-  const float* vp = a.v + hi * a.T * D;
+  const float* kp = EIGHT ? nullptr : a.k + hi * a.T * D;
+  const float* vp = EIGHT ? nullptr : a.v + hi * a.T * D;
+  alignas(64) float row[D];
+  auto key_row = [&](int64_t t) {
+    if constexpr (EIGHT) return widen8<D>(a.k8 + (hi * a.T + t) * D, a.ks ? a.ks + hi * a.T + t : nullptr, a.fmt, row);
+    return kp + t * D;
+  };
+  auto value_row = [&](int64_t t) {
+    if constexpr (EIGHT) return widen8<D>(a.v8 + (hi * a.T + t) * D, a.vs ? a.vs + hi * a.T + t : nullptr, a.fmt, row);
+    return vp + t * D;
+  };
   float q[NR][D];
   for (int r = 0; r < NR; ++r)
     for (int d = 0; d < D; ++d)
@@ -476,7 +519,7 @@ void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     for (int i0 = 0; i0 < n; i0 += W) {
       const int m = std::min(W, n - i0);
       for (int i = 0; i < m; ++i) {
-        const float* kt = kp + (t_begin + i0 + i) * D;
+        const float* kt = key_row(t_begin + i0 + i);
         vf kv[D / W];
         for (int k = 0; k < D / W; ++k) kv[k] = vload(kt + k * W);
         for (int r = 0; r < NR; ++r) {
@@ -493,7 +536,7 @@ void full_item(const FullArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     }
     st.update(scores, p, n);
     for (int i = 0; i < n; ++i) {
-      const float* vt = vp + (t_begin + i) * D;
+      const float* vt = value_row(t_begin + i);
       vf vv[D / W];
       for (int k = 0; k < D / W; ++k) vv[k] = vload(vt + k * W);
       for (int r = 0; r < NR; ++r) {
@@ -704,21 +747,22 @@ KiviFn kivi_kernel(int nr, int64_t D, int kb, int vb) {
   }
 }
 
-template <int NR>
+template <int NR, bool EIGHT>
 FullFn full_pick(int64_t D) {
-  if (D == 64) return full_item<NR, 64>;
-  if (D == 128) return full_item<NR, 128>;
+  if (D == 64) return full_item<NR, 64, EIGHT>;
+  if (D == 128) return full_item<NR, 128, EIGHT>;
   return nullptr;
 }
 
-FullFn full_kernel(int nr, int64_t D) {
+FullFn full_kernel(int nr, int64_t D, bool eight = false) {
   switch (nr) {
-    case 1: return full_pick<1>(D);
-    case 2: return full_pick<2>(D);
-    case 3: return full_pick<3>(D);
-    default: return full_pick<4>(D);
+    case 1: return eight ? full_pick<1, true>(D) : full_pick<1, false>(D);
+    case 2: return eight ? full_pick<2, true>(D) : full_pick<2, false>(D);
+    case 3: return eight ? full_pick<3, true>(D) : full_pick<3, false>(D);
+    default: return eight ? full_pick<4, true>(D) : full_pick<4, false>(D);
   }
 }
+
 
 ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc, ffi::AnyBuffer ks,
                           ffi::AnyBuffer km, ffi::Buffer<ffi::U8> vc, ffi::AnyBuffer vs, ffi::AnyBuffer vm,
@@ -846,7 +890,67 @@ ffi::Error FullDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+ffi::Error EightDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k,
+                           ffi::Buffer<ffi::U8> v, ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> vs,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn,
+                           ffi::Buffer<ffi::F32> vn, ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t fmt,
+                           int64_t scaled) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 5)
+    return ffi::Error::InvalidArgument("eight_decode: q must be [B, 1, Hq, D], k and v [L, B, H, T, D] codes");
+  if (fmt < 0 || fmt > 2) return ffi::Error::InvalidArgument("eight_decode: fmt must be 0 (int8), 1 (e4m3), 2 (e5m2)");
+  FullArgs a;
+  a.L = kd[0];
+  a.B = kd[1];
+  a.H = kd[2];
+  a.T = kd[3];
+  a.D = qd[3];
+  a.n_rep = qd[2] / a.H;
+  a.window = window;
+  if (!full_kernel(MAX_ROWS, a.D, true)) return ffi::Error::InvalidArgument("eight_decode: unsupported head_dim");
+  if (scaled && ((int64_t)ks.element_count() != a.L * a.B * a.H * a.T || vs.element_count() != ks.element_count()))
+    return ffi::Error::InvalidArgument("eight_decode: scales must be [L, B, H, T, 1] like the codes");
+  a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
+  a.length = length.typed_data();
+  a.k8 = k.typed_data();
+  a.v8 = v.typed_data();
+  a.ks = scaled ? reinterpret_cast<const uint16_t*>(ks.untyped_data()) : nullptr;
+  a.vs = scaled ? reinterpret_cast<const uint16_t*>(vs.untyped_data()) : nullptr;
+  a.fmt = fmt;
+  std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
+  a.q = qs.data();
+  Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
+  lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / FULL_CHUNK, 512 / FULL_CHUNK);
+  a.splits = lay.splits;
+  std::vector<float> parts;
+  run_items(pool, lay, a, [&](const FullArgs& args, int64_t b, int64_t h, int r0, int64_t s, float* part) {
+    int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
+    full_kernel(nr, args.D, true)(args, b, h, r0, s, part);
+  }, parts);
+  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxEightDecode, EightDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, 1, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // key codes [L, B, H, T, D] (int8 / fp8 bytes)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // value codes
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // key scales [L, B, H, T, 1] (read when scaled)
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // value scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // length [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new key [B, 1, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new value
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, 1, Hq, D]
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("scaled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
                               ffi::Ffi::Bind()
