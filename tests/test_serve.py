@@ -417,3 +417,13 @@ def test_real_model_answers_through_the_server(smollm2):
                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in out.choices[0].message.content
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_cpu_server_decodes_in_groups_of_16_by_default(model):
+    from kivi_jax.serve.engine import Engine, default_decode_group
+
+    assert jax.default_backend() == "cpu"
+    assert default_decode_group(8) == 8 and default_decode_group(40) == 16 and default_decode_group(40, data=3) == 15
+    eng = Engine(model.params, SPEC, slots=40, max_length=64)
+    assert eng.groups == [(0, 16), (16, 16), (32, 8)]
+    assert Engine(model.params, SPEC, slots=40, max_length=64, decode_group=40).groups == [(0, 40)]
