@@ -4,7 +4,6 @@ that fits a budget, and end-to-end generation throughput; synthetic caches at a 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import platform
 import statistics
@@ -17,7 +16,7 @@ import numpy as np
 from kivi_jax import rotation, sharding
 from kivi_jax import weights as weight_formats
 from kivi_jax.cache import cache_bytes, make_cache, tree_bytes
-from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.config import allocation_multiple, parse_cache_spec, spec_name
 from kivi_jax.models.config import ModelConfig
 from kivi_jax.models.decoder import Params, cast_params, forward, init_params
 
@@ -199,9 +198,7 @@ def spec_fields(spec) -> dict:
 
 def cache_tokens(context: int, extra: int, specs) -> int:
     """Capacity for a cache holding `context + extra` tokens: a multiple of 256 and of every spec's R."""
-    multiple = 256
-    for spec in specs:
-        multiple = math.lcm(multiple, parse_cache_spec(spec).token_multiple)
+    multiple = allocation_multiple(256, *specs)
     return -(-(context + extra) // multiple) * multiple
 
 

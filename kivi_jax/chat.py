@@ -10,7 +10,6 @@ grows it (a new allocation with the same contents) up to the model's positions; 
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Iterator
 
@@ -19,7 +18,7 @@ import numpy as np
 
 from kivi_jax import rotation
 from kivi_jax.cache import CacheCapacityError, full_cache_bytes, make_cache
-from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.config import allocation_multiple, parse_cache_spec, spec_name
 from kivi_jax.generate import (
     CACHE_BUCKET,
     PREFILL_CHUNK,
@@ -62,7 +61,7 @@ class Chat:
         self.impl, self.prefill_chunk = attention_impl, prefill_chunk
         self.system = system
         cfg = self.params.config
-        self.multiple = math.lcm(CACHE_BUCKET, self.spec.token_multiple)
+        self.multiple = allocation_multiple(CACHE_BUCKET, self.spec)
         self.max_positions = cfg.max_position_embeddings // self.multiple * self.multiple
         self.initial_tokens = min(self._rounded(max_length or 1024), self.max_positions)
         self.reset()

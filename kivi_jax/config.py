@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from kivi_jax import codebook
@@ -393,6 +394,11 @@ def parse_cache_spec(spec) -> "FullSpec | KIVIConfig | Dense8Config":
         return KIVIConfig(**kw)
     except ValueError as e:
         raise ValueError(f"bad cache spec {spec!r}: {e}") from e
+
+
+def allocation_multiple(bucket: int, *specs) -> int:
+    """Tokens a cache is allocated in multiples of: `bucket` and every spec's `token_multiple` (KIVI's R)."""
+    return math.lcm(bucket, *(parse_cache_spec(s).token_multiple for s in specs))
 
 
 def spec_name(spec) -> str:

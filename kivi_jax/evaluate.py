@@ -19,7 +19,7 @@ import numpy as np
 
 from kivi_jax import quant, rotation, sharding
 from kivi_jax.cache import make_cache
-from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.config import allocation_multiple, parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
 from kivi_jax.models.decoder import NoCache, Params, forward, rope_inv_freq
 
@@ -93,9 +93,8 @@ def check_protocol(prefill: int, decode: int, windows: int) -> None:
 
 
 def cache_tokens(prefill: int, decode: int, spec) -> int:
-    """Cache size for a run: prefill + decode rounded up to the spec's token multiple (KIVI: R), else to 128."""
-    multiple = parse_cache_spec(spec).token_multiple
-    multiple = multiple if multiple > 1 else 128
+    """Cache size for a run: prefill + decode rounded up to 128 and the spec's token multiple (KIVI: R)."""
+    multiple = allocation_multiple(128, spec)
     return -(-(prefill + decode) // multiple) * multiple
 
 

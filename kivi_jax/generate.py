@@ -17,7 +17,7 @@ import numpy as np
 from kivi_jax import rotation, sharding
 from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
                             make_cache)
-from kivi_jax.config import KIVIConfig, parse_cache_spec
+from kivi_jax.config import KIVIConfig, allocation_multiple, parse_cache_spec
 from kivi_jax.models.config import ModelConfig
 from kivi_jax.models.decoder import Params, forward
 
@@ -195,7 +195,7 @@ def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | Non
     """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets. Either way the
     prompt plus the new tokens must fit the model's `max_position_embeddings`."""
     need = prompt_len + max_new_tokens
-    multiple = math.lcm(CACHE_BUCKET, spec.token_multiple)
+    multiple = allocation_multiple(CACHE_BUCKET, spec)
     if max_length is not None:
         check_int("max_length", max_length, 1)
         if need > cfg.max_position_embeddings:
