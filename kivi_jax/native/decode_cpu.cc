@@ -854,6 +854,26 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+// The driver of the dense kernels (full precision and 8-bit): scaled queries, work items over (batch, kv head, row
+// block, token split), the combine with the new token.
+ffi::Error run_dense(ffi::ThreadPool& pool, FullArgs& a, const float* q, const float* kn, const float* vn, float* out,
+                     bool eight) {
+  std::vector<float> qs = scaled_queries(q, a.B * a.H * a.n_rep * a.D, a.D);
+  a.q = qs.data();
+  Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
+  lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / FULL_CHUNK, 512 / FULL_CHUNK);
+  a.splits = lay.splits;
+  std::vector<float> parts;
+  run_items(pool, lay, a, [&](const FullArgs& args, int64_t b, int64_t h, int r0, int64_t s, float* part) {
+    int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
+    full_kernel(nr, args.D, eight)(args, b, h, r0, s, part);
+  }, parts);
+  combine(lay, parts.data(), qs.data(), kn, vn, out);
+  return ffi::Error::Success();
+}
+
 ffi::Error FullDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
                           ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn, ffi::ResultBuffer<ffi::F32> out,
@@ -874,20 +894,7 @@ ffi::Error FullDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.length = length.typed_data();
   a.k = k.typed_data();
   a.v = v.typed_data();
-  std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
-  a.q = qs.data();
-  Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
-  lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / FULL_CHUNK, 512 / FULL_CHUNK);
-  a.splits = lay.splits;
-  std::vector<float> parts;
-  run_items(pool, lay, a, [&](const FullArgs& args, int64_t b, int64_t h, int r0, int64_t s, float* part) {
-    int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
-    full_kernel(nr, args.D)(args, b, h, r0, s, part);
-  }, parts);
-  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data());
-  return ffi::Error::Success();
+  return run_dense(pool, a, q.typed_data(), kn.typed_data(), vn.typed_data(), out->typed_data(), false);
 }
 
 ffi::Error EightDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k,
@@ -917,20 +924,7 @@ ffi::Error EightDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   a.ks = scaled ? reinterpret_cast<const uint16_t*>(ks.untyped_data()) : nullptr;
   a.vs = scaled ? reinterpret_cast<const uint16_t*>(vs.untyped_data()) : nullptr;
   a.fmt = fmt;
-  std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
-  a.q = qs.data();
-  Layout lay{a.B, a.H, a.n_rep, a.D, 1, (a.n_rep + MAX_ROWS - 1) / MAX_ROWS};
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
-  lay.splits = choose_splits(a.B, a.H, lay.blocks, worker_count(pool), max_len / FULL_CHUNK, 512 / FULL_CHUNK);
-  a.splits = lay.splits;
-  std::vector<float> parts;
-  run_items(pool, lay, a, [&](const FullArgs& args, int64_t b, int64_t h, int r0, int64_t s, float* part) {
-    int nr = (int)std::min<int64_t>(MAX_ROWS, args.n_rep - r0);
-    full_kernel(nr, args.D, true)(args, b, h, r0, s, part);
-  }, parts);
-  combine(lay, parts.data(), qs.data(), kn.typed_data(), vn.typed_data(), out->typed_data());
-  return ffi::Error::Success();
+  return run_dense(pool, a, q.typed_data(), kn.typed_data(), vn.typed_data(), out->typed_data(), true);
 }
 
 }  // namespace
