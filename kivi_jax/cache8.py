@@ -54,7 +54,7 @@ class Store8:
 
     data: jax.Array  # [layers, batch, kv_heads, max_tokens, head_dim] uint8: the bytes of int8 / float8 values
     scale: jax.Array | None  # [layers, batch, kv_heads, max_tokens, 1] float16, or None (a scale of 1)
-    config: Dense8Config = struct.field(pytree_node=False, default=Dense8Config())
+    config: Dense8Config = struct.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple:

@@ -148,7 +148,7 @@ class KIVIConfig:
         averaged over keys and values, for a head of `group_size` channels or more (see `bits_per_value`)."""
         return bits_per_value(self, None)
 
-    # -- the cache-spec interface (`CacheSpec`) --
+    # -- the cache-spec interface (shared with FullSpec and Dense8Config: what parse_cache_spec gives) --
 
     @property
     def token_multiple(self) -> int:
@@ -270,9 +270,6 @@ class Dense8Config:
     def describe(self) -> dict:
         scale = "per-token scale" if self.per_token else "no scale"
         return {"keys": f"{self.fmt} ({scale})", "values": f"{self.fmt} ({scale})", "G": "", "R": "", "options": ""}
-
-
-CacheSpec = "FullSpec | KIVIConfig | Dense8Config"  # what parse_cache_spec gives; each has the interface above
 
 
 def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = None,

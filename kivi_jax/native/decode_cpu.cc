@@ -854,6 +854,25 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+// The shapes, window, layer and lengths of a dense kernel's call (full precision or 8-bit): false when q is not
+// [B, 1, Hq, D], the stores not [L, B, H, T, D], or no kernel serves head_dim D.
+template <class Dims>
+bool dense_args(const Dims& qd, const Dims& kd, int64_t window, ffi::Buffer<ffi::S32>& layer,
+                ffi::Buffer<ffi::S32>& length, FullArgs& a) {
+  if (qd.size() != 4 || kd.size() != 5) return false;
+  a.L = kd[0];
+  a.B = kd[1];
+  a.H = kd[2];
+  a.T = kd[3];
+  a.D = qd[3];
+  a.n_rep = qd[2] / a.H;
+  a.window = window;
+  if (!full_kernel(MAX_ROWS, a.D)) return false;
+  a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
+  a.length = length.typed_data();
+  return true;
+}
+
 // The driver of the dense kernels (full precision and 8-bit): scaled queries, work items over (batch, kv head, row
 // block, token split), the combine with the new token.
 ffi::Error run_dense(ffi::ThreadPool& pool, FullArgs& a, const float* q, const float* kn, const float* vn, float* out,
@@ -878,20 +897,10 @@ ffi::Error FullDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
                           ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn, ffi::ResultBuffer<ffi::F32> out,
                           int64_t window) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 5)
-    return ffi::Error::InvalidArgument("full_decode: q must be [B, 1, Hq, D], k and v [L, B, H, T, D]");
   FullArgs a;
-  a.L = kd[0];
-  a.B = kd[1];
-  a.H = kd[2];
-  a.T = kd[3];
-  a.D = qd[3];
-  a.n_rep = qd[2] / a.H;
-  a.window = window;
-  if (!full_kernel(MAX_ROWS, a.D)) return ffi::Error::InvalidArgument("full_decode: unsupported head_dim");
-  a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
-  a.length = length.typed_data();
+  if (!dense_args(q.dimensions(), k.dimensions(), window, layer, length, a))
+    return ffi::Error::InvalidArgument(
+        "full_decode: q must be [B, 1, Hq, D], k and v [L, B, H, T, D], head_dim 64 or 128");
   a.k = k.typed_data();
   a.v = v.typed_data();
   return run_dense(pool, a, q.typed_data(), kn.typed_data(), vn.typed_data(), out->typed_data(), false);
@@ -902,23 +911,13 @@ ffi::Error EightDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn,
                            ffi::Buffer<ffi::F32> vn, ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t fmt,
                            int64_t scaled) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 5)
-    return ffi::Error::InvalidArgument("eight_decode: q must be [B, 1, Hq, D], k and v [L, B, H, T, D] codes");
   if (fmt < 0 || fmt > 2) return ffi::Error::InvalidArgument("eight_decode: fmt must be 0 (int8), 1 (e4m3), 2 (e5m2)");
   FullArgs a;
-  a.L = kd[0];
-  a.B = kd[1];
-  a.H = kd[2];
-  a.T = kd[3];
-  a.D = qd[3];
-  a.n_rep = qd[2] / a.H;
-  a.window = window;
-  if (!full_kernel(MAX_ROWS, a.D, true)) return ffi::Error::InvalidArgument("eight_decode: unsupported head_dim");
+  if (!dense_args(q.dimensions(), k.dimensions(), window, layer, length, a))
+    return ffi::Error::InvalidArgument(
+        "eight_decode: q must be [B, 1, Hq, D], k and v [L, B, H, T, D] codes, head_dim 64 or 128");
   if (scaled && ((int64_t)ks.element_count() != a.L * a.B * a.H * a.T || vs.element_count() != ks.element_count()))
     return ffi::Error::InvalidArgument("eight_decode: scales must be [L, B, H, T, 1] like the codes");
-  a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
-  a.length = length.typed_data();
   a.k8 = k.typed_data();
   a.v8 = v.typed_data();
   a.ks = scaled ? reinterpret_cast<const uint16_t*>(ks.untyped_data()) : nullptr;

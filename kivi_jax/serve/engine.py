@@ -236,7 +236,6 @@ class Slot:
     forced: collections.deque = dataclasses.field(default_factory=collections.deque)  # prompt tokens to score yet
     logprobs: bool = False  # report each token's logprob and top alternatives
     constraint: object = None  # a grammar's matcher: fill_bitmask(row) before, accept(token) after each draw
-    overflow: bool = False  # the cache's float16 scales overflowed in this slot's row (SCALE_OVERFLOW): unreliable
 
 
 CPU_DECODE_GROUP = 16  # slots a decode call computes on a CPU by default (docs/serving.md: one step over all 91
@@ -511,9 +510,7 @@ class Engine:
         else:  # the prompt goes on one token a step, scored; the keys start unsplit, as sample_first gets them
             for row in rows:
                 row.last = prompt[done]
-        overflow = bool(sharding.to_host(seq.error_flags)[0] & SCALE_OVERFLOW)  # the prefill's own quantization
         for i, (slot, row) in enumerate(zip(slots, rows)):
-            row.overflow = overflow
             self.insert(seq, slot)
             g, r = self._where(slot)
             with sharding.use_mesh(self.mesh):
@@ -582,14 +579,11 @@ class Engine:
                     self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
                     *self._row_arrays(sampling, self._put), self._put(forced), self._put(forced_next),
                     self._put(np.array(constrained)), bitmask, self._put(wanted))
-            pending.append((g, first, n, nxt, (lp, ids, top) if wanted.any() else None))  # all dispatched, then read
+            pending.append((first, n, nxt, (lp, ids, top) if wanted.any() else None))  # all dispatched, then read
         out = {}
-        for g, first, n, nxt, scored in pending:
+        for first, n, nxt, scored in pending:
             rows = [i for i in range(first, first + n) if self.slots[i].state == LIVE]
             tokens = np.asarray(nxt)[[i - first for i in rows]]
-            flags = sharding.to_host(self.caches[g].error_flags)  # [n] sticky bits; SCALE_OVERFLOW reaches the client
-            for i in rows:
-                self.slots[i].overflow |= bool(flags[i - first] & SCALE_OVERFLOW)
             if scored is not None:
                 scored = tuple(np.asarray(x)[[i - first for i in rows]] for x in scored)
             for i in rows:
@@ -602,9 +596,11 @@ class Engine:
         return out
 
     def overflowed(self, slot: int) -> bool:
-        """Whether a float16 scale overflowed in the slot's cache row since its request began (its output is
-        unreliable; `-sf32` scales or the full cache avoid it)."""
-        return self.slots[slot].overflow
+        """Whether a float16 scale overflowed in the slot's cache row (its output is unreliable; `-sf32` scales or the
+        full cache avoid it): the row's sticky SCALE_OVERFLOW flag, which the request's prefill (or the prefix it
+        extends) and decode steps set. Read once, when the request ends."""
+        g, row = self._where(slot)
+        return bool(sharding.to_host(self.caches[g].error_flags)[row] & SCALE_OVERFLOW)
 
     def finish(self, slot: int, hold: bool = True) -> None:
         """Ends the slot's request: its cache stays as a held prefix (when prefix reuse is on) or the slot is freed."""
