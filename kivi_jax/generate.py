@@ -98,17 +98,21 @@ def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, 
     return jnp.where((last_at >= 0)[:, None], logits[:, 0], last), cache
 
 
-def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
-            mesh=None):
-    """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
-    holds, `chunk` tokens at a time (None: at once); every chunk has one shape (n rounded up to PROMPT_BUCKET, at
-    most `chunk`), so one compilation serves them all.
-    With `mesh` the inputs are placed split over its data axis (the caller runs this under `sharding.use_mesh`).
-    Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
+def chunk_size(tokens: int, chunk: int | None = PREFILL_CHUNK) -> int:
+    """The width of the prefill calls for a prompt of `tokens` (the longest of a batch): whole PROMPT_BUCKETs, so
+    similar prompts share one compilation, at most `chunk` (None: no limit). Prompts of one width are prefilled
+    alike alone or together (the serving engine batches by it)."""
+    size = -(-max(tokens, 1) // PROMPT_BUCKET) * PROMPT_BUCKET
+    return size if chunk is None else min(size, check_chunk(chunk))
+
+
+def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
+                  mesh=None) -> Iterator[tuple[jax.Array, object]]:
+    """`prefill`, one chunk a step: yields `(last, cache)` after each chunk (the final pair is `prefill`'s result),
+    so a caller can run other work between chunks. The cache of each yield is the one to continue with (the
+    previous is donated)."""
     batch, n = tokens.shape
-    size = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET  # whole buckets, so similar prompts share one compilation
-    if chunk is not None:
-        size = min(size, check_chunk(chunk))
+    size = chunk_size(n, chunk)
     n_chunks = -(-n // size)
     tokens = np.pad(tokens, ((0, 0), (0, n_chunks * size - n)), constant_values=params.config.pad_id)
     lengths = np.asarray(lengths, np.int32)
@@ -120,6 +124,18 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chun
         last_at = np.where((lengths - 1 >= start) & (lengths - 1 < start + size), lengths - 1 - start, -1)
         last, cache = prefill_chunk(params, put(tokens[:, start : start + size]), put(num_new), cache, last,
                                     put(last_at.astype(np.int32)))
+        yield last, cache
+
+
+def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
+            mesh=None):
+    """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
+    holds, `chunk` tokens at a time (None: at once); every chunk has one shape (`chunk_size`), so one compilation
+    serves them all.
+    With `mesh` the inputs are placed split over its data axis (the caller runs this under `sharding.use_mesh`).
+    Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
+    for last, cache in prefill_steps(params, tokens, lengths, cache, chunk, mesh):
+        pass
     return last, cache
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from kivi_jax import evaluate, rotation
 from kivi_jax.cache import make_cache
 from kivi_jax.config import ALIASES, parse_cache_spec, spec_name
-from kivi_jax.generate import (PREFILL_CHUNK, PROMPT_BUCKET, Sampling, cache_size, decode_step, prefill,
+from kivi_jax.generate import (PREFILL_CHUNK, Sampling, cache_size, chunk_size, decode_step, prefill,
                                raise_cache_errors)
 from kivi_jax.models.llama import Params
 
@@ -216,11 +216,6 @@ def decided(case: Case, text: str) -> bool:
 # Running prompts through the cache, sharing prefixes
 
 
-def prefill_step(prompt_tokens: int, chunk: int = PREFILL_CHUNK) -> int:
-    """The chunk width `generate.prefill` uses for a prompt of that many tokens."""
-    return min(-(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET, chunk)
-
-
 def copy_cache(cache):
     """A cache with buffers of its own (prefill and decode donate theirs)."""
     return jax.tree.map(jnp.copy, cache)
@@ -282,7 +277,7 @@ def answer_cases(params: Params, cases: list[Case], spec, tokenizer, impl: str =
     groups: dict[tuple, list[Case]] = {}  # cases whose caches and chunks have one shape
     for case in cases:
         n = len(case.tokens)
-        groups.setdefault((cache_size(n, answer_tokens, spec, None, cfg), prefill_step(n, chunk)), []).append(case)
+        groups.setdefault((cache_size(n, answer_tokens, spec, None, cfg), chunk_size(n, chunk)), []).append(case)
     records = []
     for (max_tokens, step), group in groups.items():
         spec.check_shapes(cfg.head_dim, max_tokens)
@@ -353,8 +348,8 @@ def longdoc_loss(params: Params, documents: np.ndarray, spec, contexts=CONTEXTS,
     if documents.shape[1] < contexts[-1] + scored + 1:
         raise ValueError(f"documents of {documents.shape[1]} tokens are too short for a context of {contexts[-1]} "
                          f"plus {scored} scored tokens")
-    step = prefill_step(contexts[-1], chunk)
-    if any(c % step or prefill_step(c, chunk) != step for c in contexts):
+    step = chunk_size(contexts[-1], chunk)
+    if any(c % step or chunk_size(c, chunk) != step for c in contexts):
         raise ValueError(f"contexts {contexts} must be multiples of the prefill chunk {chunk} (or one context), so "
                          "that a shared prefill is the one each context's prompt would get")
     max_tokens = cache_size(contexts[-1], scored, spec, None, cfg)

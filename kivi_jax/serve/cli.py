@@ -12,7 +12,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
     from kivi_jax.cli_args import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.cli_args import integer
-    from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK
+    from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
 
     add_model_args(p)
     add_cache_args(p, cache_default)
@@ -24,6 +24,12 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                    help="tokens a slot holds, prompt plus output (default 4096 or the model's positions)")
     p.add_argument("--prefill-chunk", type=integer(1), default=DEFAULT_PREFILL_CHUNK,
                    help=f"prompt tokens prefilled per step (default {DEFAULT_PREFILL_CHUNK}; one compilation each)")
+    p.add_argument("--prefill-batch", type=integer(1), default=DEFAULT_PREFILL_BATCH,
+                   help=f"waiting prompts of one chunk width prefilled together (default {DEFAULT_PREFILL_BATCH}; 1: "
+                        "one at a time; always 1 on a mesh)")
+    p.add_argument("--prefill-tokens", type=integer(1), default=DEFAULT_PREFILL_TOKENS,
+                   help=f"tokens a batched prefill call takes at most, prompts x chunk width (default "
+                        f"{DEFAULT_PREFILL_TOKENS}): a bound on the pause it puts between decode steps")
     p.add_argument("--max-queue", type=integer(1), default=64, help="requests that may wait for a slot; past it: 503")
     p.add_argument("--decode-group", type=integer(1), default=None,
                    help="decode the slots in groups of this many, skipping groups with no live request (default: "
@@ -76,7 +82,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,
                         model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh,
-                        max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None))
+                        max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None),
+                        prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -40,14 +40,16 @@ from jax.sharding import PartitionSpec as P
 from kivi_jax import rotation, sharding
 from kivi_jax.cache import SCALE_OVERFLOW, make_cache, tree_bytes
 from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.generate import PREFILL_CHUNK, PROMPT_BUCKET, check_chunk, prefill
+from kivi_jax.generate import PREFILL_CHUNK, chunk_size, prefill, prefill_steps
 from kivi_jax.models.llama import Params, forward
 from kivi_jax.serve.sampling import (RowSampling, apply_bitmask, bitmask_width, sample_rows, split_rows,
                                      token_logprobs)
 
 DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
+DEFAULT_PREFILL_BATCH = 8  # prompts prefilled together at most (in power-of-two row counts)
+DEFAULT_PREFILL_TOKENS = 2048  # tokens a batched prefill call takes at most: rows x the chunk width
 
-FREE, LIVE, HELD = "free", "live", "held"
+FREE, LIVE, HELD, FILLING = "free", "live", "held", "filling"  # FILLING: reserved for a batched prefill in progress
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -109,12 +111,14 @@ def batch_axes(spec, cfg, max_length: int, dtype, impl: str = "auto") -> tuple[i
 
 
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("batch",))
-def insert_cache(batch, one, slot: jax.Array, axes: tuple[int, ...]):
-    """Copies every leaf of the one-sequence cache `one` into row `slot` of the batch cache (donated): the slot's
-    whole state, lengths and flags included, so nothing of its last occupant survives."""
+def insert_cache(batch, many, row: jax.Array, slot: jax.Array, axes: tuple[int, ...]):
+    """Copies every leaf of row `row` of the cache `many` (a one-sequence cache, row 0, or a batched prefill's) into
+    row `slot` of the batch cache (donated): the slot's whole state, lengths and flags included, so nothing of its
+    last occupant survives."""
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    new = [jax.lax.dynamic_update_slice_in_dim(b, o.astype(b.dtype), slot, axis)
-           for b, o, axis in zip(leaves, jax.tree_util.tree_leaves(one), axes)]
+    new = [jax.lax.dynamic_update_slice_in_dim(b, jax.lax.dynamic_slice_in_dim(o, row, 1, axis).astype(b.dtype),
+                                               slot, axis)
+           for b, o, axis in zip(leaves, jax.tree_util.tree_leaves(many), axes)]
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
@@ -227,6 +231,32 @@ class Admitted:
 
 
 @dataclasses.dataclass
+class Waiting:
+    """A request as the engine admits it: its prompt, one sampling a choice, whether its tokens are scored
+    (`logprobs`) and each choice's grammar matcher (or None)."""
+
+    prompt: list[int]
+    samplings: Sequence[RowSampling]
+    logprobs: bool = False
+    constraints: Sequence | None = None
+
+
+@dataclasses.dataclass
+class PrefillJob:
+    """Several requests' prompts prefilled together into one cache of `rows` rows (a power of two; rows past the
+    requests are empty), one chunk per `Engine.advance`; each request's slots are reserved (FILLING) meanwhile."""
+
+    requests: list[Waiting]
+    slots: list[list[int]]  # reserved slots, one a choice, per request
+    rows: int
+    width: int  # the chunk width (`generate.chunk_size` of every prompt here)
+    chunks: object  # the `generate.prefill_steps` iterator
+    chunks_left: int
+    last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
+    cache: object = None
+
+
+@dataclasses.dataclass
 class Slot:
     state: str = FREE
     tokens: list[int] = dataclasses.field(default_factory=list)  # the tokens the slot's cache holds (fed tokens)
@@ -265,6 +295,8 @@ class Engine:
         prefix_reuse: bool = True,
         decode_group: int | None = None,
         mesh=None,
+        prefill_batch: int = DEFAULT_PREFILL_BATCH,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ):
         cfg = params.config
         mesh = sharding.resolve_mesh(mesh)
@@ -278,6 +310,9 @@ class Engine:
             raise ValueError(f"decode_group={decode_group} must be at least 1 (or None: all slots in one step)")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be at least 1")
+        if prefill_batch < 1 or prefill_tokens < 1:
+            raise ValueError(f"prefill_batch={prefill_batch} and prefill_tokens={prefill_tokens} must be at least 1 "
+                             "(prefill_batch 1: one prompt a prefill call)")
         if not 1 < max_length <= cfg.max_position_embeddings:
             raise ValueError(f"max_length={max_length} must be in [2, {cfg.max_position_embeddings}] (the model's "
                              "positions)")
@@ -297,6 +332,10 @@ class Engine:
             params = sharding.shard_params(params, mesh)
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
+        # Batched prefill: several prompts a call, rows x width within the token budget; on a mesh one at a time (a
+        # one-sequence cache is whole on every data shard)
+        self.prefill_batch = 1 if mesh is not None else min(prefill_batch, slots)
+        self.prefill_tokens = prefill_tokens
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh)
                        for _, n in self.groups]
@@ -308,7 +347,7 @@ class Engine:
         self.eos = frozenset(cfg.eos_token_ids)
         self.prefix_reuse = prefix_reuse
         self.counters = {"prefill_tokens_computed": 0, "prefix_tokens_reused": 0, "decode_steps": 0,
-                         "tokens_generated": 0, "requests_admitted": 0}
+                         "tokens_generated": 0, "requests_admitted": 0, "prefill_calls": 0, "prefill_rows": 0}
         self.peak_live = 0
 
     # -- queries ------------------------------------------------------------------------------------------------------
@@ -324,8 +363,12 @@ class Engine:
         return [i for i, s in enumerate(self.slots) if s.state == LIVE]
 
     def has_free_slot(self, n: int = 1) -> bool:
-        """Whether `n` slots are not live (free or held)."""
-        return sum(s.state != LIVE for s in self.slots) >= n
+        """Whether `n` slots are free or held (neither live nor reserved for a prefill)."""
+        return self.open_slots() >= n
+
+    def open_slots(self) -> int:
+        """Slots a new request may take: free or held."""
+        return sum(s.state in (FREE, HELD) for s in self.slots)
 
     @property
     def cache_bytes(self) -> int:
@@ -379,11 +422,12 @@ class Engine:
         group = slot // self.groups[0][1]
         return group, slot - self.groups[group][0]
 
-    def insert(self, seq_cache, slot: int) -> None:
-        """Copies a one-sequence cache into batch row `slot` (jitted, the batch cache donated)."""
-        g, row = self._where(slot)
+    def insert(self, seq_cache, slot: int, row: int = 0) -> None:
+        """Copies row `row` of a cache (a one-sequence cache: row 0) into batch row `slot` (jitted, the batch cache
+        donated)."""
+        g, r = self._where(slot)
         with sharding.use_mesh(self.mesh):
-            self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), self.axes)
+            self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), jnp.int32(r), self.axes)
 
     def extract(self, slot: int):
         """Batch row `slot` as a one-sequence cache (a copy)."""
@@ -416,7 +460,7 @@ class Engine:
         long as `tokens`; the next prompt token at each) -> (scores `[Out]`, the logits after the last token
         `[1, vocab]`, the cache). Chunks as `generate.prefill` makes them."""
         n = len(tokens)
-        size = min(-(-n // PROMPT_BUCKET) * PROMPT_BUCKET, check_chunk(self.prefill_chunk))
+        size = chunk_size(n, self.prefill_chunk)
         n_chunks = -(-n // size)
         pad = self.cfg.pad_id
         tokens = np.asarray(tokens + [pad] * (n_chunks * size - n), np.int32)[None]
@@ -464,18 +508,7 @@ class Engine:
         sampled now; with it the prompt is scored (see the module docstring; the first prompt token has no score) and
         the choices start live on the prompt's remaining tokens, if any. `logprobs`: every Out carries its scores;
         `constraints[i]`: choice i's grammar matcher (or None)."""
-        k = len(samplings)
-        constraints = list(constraints) if constraints is not None else [None] * k
-        if k < 1 or len(constraints) != k:
-            raise ValueError(f"{k} choices with {len(constraints)} constraints: give one or more choices, a "
-                             "constraint (or None) for each")
-        self.check_fits(len(prompt), 1)
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
-        if not self.has_free_slot(k):
-            raise NoFreeSlot(f"{k} choices need {k} slots that are not live; "
-                             f"{sum(s.state != LIVE for s in self.slots)} of {self.num_slots} are")
+        k, constraints = self.check_request(prompt, samplings, constraints)
         slots, start, seq = [], 0, None
         scores = None
         if score_prompt:
@@ -491,36 +524,135 @@ class Engine:
             done = len(prompt)
         while len(slots) < k:
             slots.append(self._pick_slot(slots))
+        admitted = self._place(Waiting(prompt, samplings, logprobs, constraints), slots, logits, seq, 0, done)
+        admitted.prompt_scores = scores
+        self.counters["prefill_tokens_computed"] += done - start
+        self.counters["prefix_tokens_reused"] += start
+        return admitted
+
+    def check_request(self, prompt: list[int], samplings: Sequence[RowSampling], constraints) -> tuple[int, list]:
+        """(choices, a constraint or None each) of a request that fits a slot, or ValueError / NoFreeSlot."""
+        k = len(samplings)
+        constraints = list(constraints) if constraints is not None else [None] * k
+        if k < 1 or len(constraints) != k:
+            raise ValueError(f"{k} choices with {len(constraints)} constraints: give one or more choices, a "
+                             "constraint (or None) for each")
+        self.check_fits(len(prompt), 1)
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if not self.has_free_slot(k):
+            raise NoFreeSlot(f"{k} choices need {k} slots that are neither live nor reserved; "
+                             f"{self.open_slots()} of {self.num_slots} are")
+        return k, constraints
+
+    def _place(self, req: Waiting, slots: list[int], logits, cache, row: int, done: int) -> Admitted:
+        """Puts a prefilled request into its `slots` (one a choice): row `row` of `cache` holds its first `done`
+        prompt tokens, `logits [1, vocab]` what follows them. Each choice draws its first token now when the whole
+        prompt is in; otherwise the prompt goes on one token a step, scored."""
+        prompt, samplings, constraints, k = req.prompt, req.samplings, req.constraints, len(req.samplings)
         keys = jnp.stack([jax.random.PRNGKey(s.seed if s.seed is not None else secrets.randbits(31))
                           for s in samplings])  # [choices, 2]
         rows = [Slot(LIVE, list(prompt[:done]), 0, s, time.monotonic(), collections.deque(prompt[done + 1 :]),
-                     logprobs, c) for s, c in zip(samplings, constraints)]
+                     req.logprobs, c) for s, c in zip(samplings, constraints)]
         first: list[Out | None] = [None] * k
         if done == len(prompt):  # the whole prompt is in: each choice draws its first token from the last logits
             bitmask, _ = self._masks(rows, [c is not None for c in constraints])
             with sharding.use_mesh(self.mesh):
                 out = sample_first(logits, keys, *self._row_arrays(samplings),
                                    jnp.asarray([c is not None for c in constraints]), bitmask,
-                                   jnp.full((k,), logprobs))
+                                   jnp.full((k,), req.logprobs))
             tokens, lp, ids, top, keys = out
-            first = self._outs(rows, np.asarray(tokens), (lp, ids, top) if logprobs else None)
-            for row, o in zip(rows, first):
-                row.last = o.token
+            first = self._outs(rows, np.asarray(tokens), (lp, ids, top) if req.logprobs else None)
+            for r, o in zip(rows, first):
+                r.last = o.token
             self.counters["tokens_generated"] += k
-        else:  # the prompt goes on one token a step, scored; the keys start unsplit, as sample_first gets them
-            for row in rows:
-                row.last = prompt[done]
-        for i, (slot, row) in enumerate(zip(slots, rows)):
-            self.insert(seq, slot)
-            g, r = self._where(slot)
+        else:  # the keys start unsplit, as sample_first gets them
+            for r in rows:
+                r.last = prompt[done]
+        for i, (slot, r) in enumerate(zip(slots, rows)):
+            self.insert(cache, slot, row)
+            g, gr = self._where(slot)
             with sharding.use_mesh(self.mesh):
-                self.keys[g] = self.keys[g].at[r].set(keys[i])
-            self.slots[slot] = row
-        self.counters["prefill_tokens_computed"] += done - start
-        self.counters["prefix_tokens_reused"] += start
+                self.keys[g] = self.keys[g].at[gr].set(keys[i])
+            self.slots[slot] = r
         self.counters["requests_admitted"] += 1
         self.peak_live = max(self.peak_live, self.count(LIVE))
-        return Admitted(slots, first, scores)
+        return Admitted(slots, first)
+
+    # -- batched prefill ----------------------------------------------------------------------------------------------
+
+    def batchable(self, prompt: list[int]) -> bool:
+        """Whether a (plain, unscored) request may be prefilled in a batch: batching is on and no held prefix
+        would spare it the work."""
+        return self.prefill_batch > 1 and self._reusable(prompt) is None
+
+    def prefill_width(self, prompt: list[int]) -> int:
+        """The chunk width of the prompt's prefill: prompts of one width are prefilled together."""
+        return chunk_size(len(prompt), self.prefill_chunk)
+
+    def prefill_room(self, width: int) -> int:
+        """The most prompts of chunk width `width` one batched prefill takes."""
+        return max(1, min(self.prefill_batch, self.prefill_tokens // width))
+
+    def start_prefill(self, requests: Sequence[Waiting]) -> PrefillJob:
+        """Reserves the slots of `requests` (one a choice; every prompt of one `prefill_width`, at most
+        `prefill_room` of them) and sets up their prefill into one cache; `advance` runs it a chunk at a time. A
+        request that does not fit raises as `admit_choices` does, before anything is reserved."""
+        requests = list(requests)
+        widths = {self.prefill_width(r.prompt) for r in requests}
+        if not requests or len(widths) != 1 or len(requests) > self.prefill_room(next(iter(widths))):
+            raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one chunk width, not "
+                             f"{len(requests)} of widths {sorted(widths)}")
+        width = widths.pop()
+        need = 0
+        for r in requests:
+            k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints)
+            need += k
+        if not self.has_free_slot(need):
+            raise NoFreeSlot(f"{len(requests)} requests need {need} slots; {self.open_slots()} are open")
+        slots = []
+        for r in requests:
+            mine = []
+            for _ in r.samplings:
+                slot = self._pick_slot()
+                self.slots[slot] = Slot(FILLING)
+                mine.append(slot)
+            slots.append(mine)
+        rows = 1 << (len(requests) - 1).bit_length()  # a power of two: few compiled shapes
+        longest = max(len(r.prompt) for r in requests)
+        tokens = np.full((rows, longest), self.cfg.pad_id, np.int32)
+        lengths = np.zeros(rows, np.int32)  # empty rows: nothing prefilled
+        for i, r in enumerate(requests):
+            tokens[i, : len(r.prompt)] = r.prompt
+            lengths[i] = len(r.prompt)
+        cache = make_cache(self.spec, self.cfg, rows, self.max_length, self.dtype, self.impl)
+        chunks = prefill_steps(self.params, tokens, lengths, cache, self.prefill_chunk)
+        return PrefillJob(requests, slots, rows, width, chunks, -(-longest // width))
+
+    def advance(self, job: PrefillJob) -> list[Admitted] | None:
+        """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and
+        go live in their slots: returns their `Admitted` (in the job's order), else None."""
+        job.last, job.cache = next(job.chunks)
+        job.chunks_left -= 1
+        self.counters["prefill_calls"] += 1
+        if job.chunks_left:
+            return None
+        out = []
+        for i, (req, slots) in enumerate(zip(job.requests, job.slots)):
+            out.append(self._place(req, slots, job.last[i : i + 1], job.cache, i, len(req.prompt)))
+            self.counters["prefill_tokens_computed"] += len(req.prompt)
+        self.counters["prefill_rows"] += job.rows
+        job.cache = job.last = None
+        return out
+
+    def abandon(self, job: PrefillJob) -> None:
+        """Frees the slots a job reserved (its requests failed or were cancelled before they went live)."""
+        for slots in job.slots:
+            for slot in slots:
+                if self.slots[slot].state == FILLING:
+                    self.free(slot)
+        job.cache = job.last = None
 
     def _outs(self, rows: list[Slot], tokens: np.ndarray, scored) -> list[Out]:
         """Each row's Out from the drawn or forced `tokens`; a generated token advances the row's constraint."""
@@ -619,5 +751,5 @@ class Engine:
 
     def metrics(self) -> dict:
         return {"slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE),
-                "held": self.count(HELD), "free": self.count(FREE), "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
+                "held": self.count(HELD), "free": self.count(FREE), "filling": self.count(FILLING), "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
                 "cache_bytes_in_use": self.cache_bytes_in_use, **self.counters}

@@ -720,6 +720,7 @@ class API:
             ("slots", "gauge", "slots in the batch cache", m["slots"]),
             ("live_slots", "gauge", "slots decoding a request", m["live"]),
             ("held_slots", "gauge", "slots holding a finished request's prefix for reuse", m["held"]),
+            ("filling_slots", "gauge", "slots reserved for a batched prefill in progress", m["filling"]),
             ("peak_live_slots", "gauge", "most slots live at once since start", m["peak_live"]),
             ("queue_length", "gauge", "requests waiting for a slot", m["queue_length"]),
             ("queue_capacity", "gauge", "the queue bound (past it: 503)", m["max_queue"]),
@@ -732,7 +733,7 @@ class API:
         ]
         counters = ["requests_queued", "requests_rejected", "requests_finished", "requests_cancelled",
                     "requests_failed", "prompt_tokens", "completion_tokens", "prefill_tokens_computed",
-                    "prefix_tokens_reused", "decode_steps"]
+                    "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows"]
         rows += [(f"{c}_total", "counter", c.replace("_", " "), m.get(c, 0)) for c in counters]
         lines = []
         for name, kind, help_, value in rows:

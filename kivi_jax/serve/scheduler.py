@@ -2,7 +2,9 @@
 and incremental text. No HTTP here: a request carries an `emit` callback that receives its events.
 
 The thread loops: drop cancelled requests (freeing their slots), admit waiting requests into free slots (prefill and
-insert), then decode every live slot once. Text is decoded from all of a request's tokens each step and only the part
+insert), then decode every live slot once. Plain requests are prefilled together (`Engine.start_prefill`: the oldest
+waiting one and those behind it whose prompts have its chunk width, as many as the engine's token budget takes), one
+chunk an iteration, so a long prompt shares the time with the running decodes instead of stalling them. Text is decoded from all of a request's tokens each step and only the part
 that can no longer change is emitted (not a half multi-byte character, not the start of a stop string). `cancel` takes
 a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and ends the waiting ones,
 while the live ones decode on.
@@ -20,7 +22,7 @@ import traceback
 import uuid
 from typing import Callable
 
-from kivi_jax.serve.engine import Engine, Out
+from kivi_jax.serve.engine import Admitted, Engine, Out, PrefillJob, Waiting
 from kivi_jax.serve.sampling import RowSampling
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # as text-generation-inference's payload limit: far past any prompt a slot holds
@@ -158,6 +160,8 @@ class Scheduler:
         self._waiting_changed = threading.Condition()  # guards `waiting` and `draining`
         self.draining = False
         self.active: dict[int, tuple[Request, Choice]] = {}  # slot -> its request and choice
+        self.job: PrefillJob | None = None  # the batched prefill in progress
+        self.job_requests: list[Request] = []  # its requests, in its order
         # every key exists from the start, so the HTTP thread can read while the loop counts (no dict resizes)
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._counters_lock = threading.Lock()  # both threads count (cancellations, rejections)
@@ -285,6 +289,12 @@ class Scheduler:
                     with contextlib.suppress(Exception):
                         self.engine.free(slot)
                 self.active.clear()
+                if self.job is not None:
+                    for req in self.job_requests:
+                        self._fail(req, f"the engine failed: {self.error.strip().splitlines()[-1]}")
+                    with contextlib.suppress(Exception):
+                        self.engine.abandon(self.job)
+                    self.job, self.job_requests = None, []
 
     def _iteration(self) -> None:
         for slot, (req, _) in list(self.active.items()):
@@ -293,7 +303,10 @@ class Scheduler:
                 if not any(r is req for r, _ in self.active.values()):
                     self.count("requests_cancelled")  # before the slot shows free
                 self.engine.free(slot)
-        self._admit(block=not self.active)
+        if self.job is None:
+            self._admit(block=not self.active)
+        if self.job is not None:
+            self._advance()
         if not self.active:
             return
         out = self.engine.step_scored()
@@ -321,24 +334,84 @@ class Scheduler:
             if req.cancelled.is_set():  # cancelled by its flag alone (`Request.cancel`), not through `cancel`
                 self.count("requests_cancelled")
                 continue
+            if not req.score_prompt and self.engine.batchable(req.prompt):
+                self._start_job(req)
+                return  # the job's requests go live when its last chunk has run; the next iteration admits more
             try:
-                constraints = None if req.grammar is None else [req.grammar.matcher() for _ in req.choices]
                 admitted = self.engine.admit_choices(req.prompt, [c.sampling for c in req.choices],
                                                      score_prompt=req.score_prompt, logprobs=req.logprobs,
-                                                     constraints=constraints)
+                                                     constraints=self._constraints(req))
             except (ValueError, OverflowError) as e:  # this request's own values; checked before queueing, but a
                 self._fail(req, str(e))               # direct caller can still get here
                 continue
-            for choice, slot, first in zip(req.choices, admitted.slots, admitted.first):
-                self.active[slot] = req, choice
-                choice.slot = slot
-                if req.score_prompt:
-                    choice.prompt_scores = list(admitted.prompt_scores)
-                    if len(choice.prompt_scores) == len(req.prompt) - 1:
-                        self._prompt_scored(req, choice, slot)
-                if first is not None and choice.finish_reason is None:
-                    self._count_tokens(1)
-                    self._on_token(req, choice, slot, first)
+            self._went_live(req, admitted)
+
+    @staticmethod
+    def _constraints(req: Request) -> list | None:
+        return None if req.grammar is None else [req.grammar.matcher() for _ in req.choices]
+
+    def _waiting_of(self, req: Request) -> Waiting | None:
+        """The engine's view of a request, or None (and the request failed) when it does not fit."""
+        w = Waiting(req.prompt, [c.sampling for c in req.choices], req.logprobs, self._constraints(req))
+        try:
+            self.engine.check_request(w.prompt, w.samplings, w.constraints)
+        except (ValueError, OverflowError) as e:
+            self._fail(req, str(e))
+            return None
+        return w
+
+    def _start_job(self, first: Request) -> None:
+        """Starts a batched prefill of `first` and of the waiting requests behind it that share its chunk width
+        (plain ones, no held prefix to reuse), as many as the token budget and the open slots allow."""
+        width = self.engine.prefill_width(first.prompt)
+        room, open_slots = self.engine.prefill_room(width), self.engine.open_slots()
+        taken, reqs = [], []
+        w = self._waiting_of(first)
+        if w is not None:
+            taken, reqs, open_slots = [w], [first], open_slots - first.n
+        with self._waiting_changed:
+            for req in list(self.waiting):
+                if len(taken) >= room:
+                    break
+                if (req.score_prompt or req.n > open_slots or req.cancelled.is_set()
+                        or self.engine.prefill_width(req.prompt) != width or not self.engine.batchable(req.prompt)):
+                    continue
+                w = self._waiting_of(req)
+                self.waiting.remove(req)
+                if w is not None:
+                    taken.append(w)
+                    reqs.append(req)
+                    open_slots -= req.n
+        if taken:
+            self.job, self.job_requests = self.engine.start_prefill(taken), reqs
+
+    def _advance(self) -> None:
+        """Runs the prefill job's next chunk; after its last, its requests go live (a cancelled one frees its
+        slots)."""
+        admitted = self.engine.advance(self.job)
+        if admitted is None:
+            return
+        reqs, self.job, self.job_requests = self.job_requests, None, []
+        for req, adm in zip(reqs, admitted):
+            if req.cancelled.is_set():
+                self.count("requests_cancelled")
+                for slot in adm.slots:
+                    self.engine.free(slot)
+                continue
+            self._went_live(req, adm)
+
+    def _went_live(self, req: Request, admitted: Admitted) -> None:
+        """A request is in its slots: its choices become active and hear their first tokens."""
+        for choice, slot, first in zip(req.choices, admitted.slots, admitted.first):
+            self.active[slot] = req, choice
+            choice.slot = slot
+            if req.score_prompt:
+                choice.prompt_scores = list(admitted.prompt_scores)
+                if len(choice.prompt_scores) == len(req.prompt) - 1:
+                    self._prompt_scored(req, choice, slot)
+            if first is not None and choice.finish_reason is None:
+                self._count_tokens(1)
+                self._on_token(req, choice, slot, first)
 
     def _fail(self, req: Request, message: str, status: int = 500) -> None:
         self.count("requests_failed")

@@ -6,7 +6,8 @@ import dataclasses
 
 from kivi_jax import sharding
 from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.serve.engine import DEFAULT_PREFILL_CHUNK, Engine, capacity_report
+from kivi_jax.serve.engine import (DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS, Engine,
+                                   capacity_report)
 from kivi_jax.serve.scheduler import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, Scheduler  # noqa: F401
 
 DEFAULT_MAX_LENGTH = 4096
@@ -58,6 +59,8 @@ class Server:
             line += (f"; the full-precision cache would take {format_bytes(full['slot_bytes'])} a slot, "
                      f"{format_bytes(full['slot_bytes'] * e.num_slots)} in all")
         line += f"; prompts prefilled in chunks of {e.prefill_chunk} tokens"
+        if e.prefill_batch > 1:
+            line += f", up to {e.prefill_batch} a call within {e.prefill_tokens} tokens"
         if len(e.groups) > 1:
             line += f"; decoded in {len(e.groups)} groups of up to {e.groups[0][1]} slots"
         line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
@@ -68,11 +71,14 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = 64,
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
-                 shutdown_timeout: float | None = None) -> Server:
+                 shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
+                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
-    running requests get at shutdown): see kivi_jax.serve.http; None: the defaults above."""
+    running requests get at shutdown): see kivi_jax.serve.http; None: the defaults above. `prefill_batch` prompts
+    at most are prefilled in one call, `prefill_tokens` tokens at most (rows x chunk width; 1 prompt: one at a
+    time)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -103,7 +109,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
         capacity["mesh"] = sharding.mesh_sizes(mesh)
     capacity["slots"] = slots
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
-                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh)
+                    attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
+                    prefill_batch=prefill_batch, prefill_tokens=prefill_tokens)
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
     app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
     return Server(engine, scheduler, app, model_name, capacity)

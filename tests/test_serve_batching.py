@@ -1,0 +1,134 @@
+"""Batched prefill in the serving engine: several waiting prompts of one chunk width in one forward call, a chunk an
+iteration between the running decode steps. What a request gets must not depend on what it was batched with."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import kivi_jax
+from conftest import TINY_VOCAB
+from kivi_jax.serve.engine import Engine, Waiting
+from kivi_jax.serve.sampling import RowSampling
+from kivi_jax.serve.scheduler import Request, Scheduler
+
+SPEC = "k2v2-g8-r16"  # quantization within a few tokens: the batched stores are compared bit for bit
+MAX_LENGTH = 256
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return kivi_jax.load(str(tiny_dirs["llama_mha"][0]), progress=False)
+
+
+def prompts(seed: int, lengths):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, TINY_VOCAB, n).tolist() for n in lengths]
+
+
+def leaves(cache) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(cache)]
+
+
+@pytest.mark.parametrize("spec,chunk,lengths,exact", [
+    (SPEC, 64, [5, 17, 40, 63], True),  # one chunk of 64, ragged
+    (SPEC, 64, [70, 150, 200], True),  # four chunks of 64 (3 prompts: a 4-row call with an empty row)
+    ("full", 64, [3, 100], True),
+    (SPEC, 16, [20, 37, 50], False),  # chunks of 16: XLA's dot of 16 rows rounds unlike that of 64
+])
+def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec, chunk, lengths, exact):
+    """The same cache rows (bit for bit, every leaf, at chunk widths of whole PROMPT_BUCKETs, as the server's are;
+    to float rounding at a width of 16) and the same first and next greedy tokens whether the prompts are prefilled
+    one at a time or together."""
+    batch = prompts(3, lengths)
+    alone = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk, prefill_batch=1)
+    together = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk)
+    first_alone = [alone.admit(p, RowSampling(0.0)) for p in batch]
+    assert together.batchable(batch[0]) and not alone.batchable(batch[0])
+    job = together.start_prefill([Waiting(p, [RowSampling(0.0)]) for p in batch])
+    assert job.rows == 1 << (len(batch) - 1).bit_length()
+    assert together.count("filling") == len(batch) and not together.has_free_slot()
+    calls = 0
+    while (admitted := together.advance(job)) is None:
+        calls += 1
+    assert calls + 1 == -(-max(lengths) // chunk) == together.counters["prefill_calls"]
+    for (slot_a, tok_a), adm, p in zip(first_alone, admitted, batch):
+        assert adm.first[0].token == tok_a
+        for a, b in zip(leaves(alone.extract(slot_a)), leaves(together.extract(adm.slots[0]))):
+            if exact:
+                np.testing.assert_array_equal(a, b)
+            elif a.dtype.kind in "ui":  # codes, lengths: a value on a rounding edge may round the other way
+                assert (a != b).mean() <= 1e-3
+            else:
+                np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-3, atol=1e-4)
+    assert together.count("live") == len(batch)
+    # and they decode alike
+    for _ in range(20):
+        a, b = alone.step(), together.step()
+        assert [a[s] for s, _ in first_alone] == [b[adm.slots[0]] for adm in admitted]
+
+
+def request(prompt: list[int], new: int, seen=None) -> tuple[Request, queue.Queue]:
+    """A greedy request whose events land in the queue returned; `seen(event)` is called as each arrives (in the
+    scheduler's thread)."""
+    q = queue.Queue()
+
+    def emit(e):
+        if seen is not None:
+            seen(e)
+        q.put(e)
+
+    return Request(prompt, new, RowSampling(0.0), emit), q
+
+
+def answer(q: queue.Queue) -> list[int]:
+    """The token ids a request's events carry, once it has ended."""
+    ids = []
+    while (e := q.get(timeout=600)).kind != "end":
+        assert e.kind != "error", e.message
+        ids += e.token_ids
+    return ids
+
+
+def reference(model, prompt, new):
+    return kivi_jax.generate(model, prompt, max_new_tokens=new, cache=SPEC, max_length=384, prefill_chunk=64).token_ids
+
+
+def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model):
+    """Six short prompts of one width go through two batched prefill calls; a long prompt (four chunks) is
+    prefilled a chunk an iteration while two others decode; every greedy answer is `generate` alone's."""
+    short = prompts(5, [4, 9, 12, 30, 41, 60])
+    long = prompts(6, [250])[0]
+    eng = Engine(model.params, SPEC, slots=8, max_length=384, prefill_chunk=64, prefill_tokens=256, decode_group=4)
+    assert eng.prefill_room(64) == 4
+    sched = Scheduler(eng, model.tokenizer)
+    with sched.paused():  # all six wait before the loop runs, so they are batched
+        sched.start()
+        queued = [request(p, 24) for p in short]
+        for req, _ in queued:
+            sched.submit(req)
+    try:
+        got = [answer(q) for _, q in queued]
+        assert eng.counters["prefill_calls"] == 2 and eng.counters["prefill_rows"] == 4 + 2  # 4 prompts, then 2
+        # the long one arrives while two short ones decode: its four chunks alternate with their steps
+        pair = [request(short[0], 60), request(short[1], 60)]
+        for req, _ in pair:
+            sched.submit(req)
+        t0 = time.monotonic()
+        while eng.count("live") < 2 and time.monotonic() - t0 < 600:
+            time.sleep(0.001)
+        calls, steps = eng.counters["prefill_calls"], eng.counters["decode_steps"]
+        first = []  # decode steps run when the long prompt's first token came
+        lone = request(long, 8, lambda e: first or first.append(eng.counters["decode_steps"]))
+        sched.submit(lone[0])
+        outs = [answer(q) for _, q in pair + [lone]]
+    finally:
+        sched.stop()
+    assert eng.counters["prefill_calls"] - calls == 4  # the long prompt alone, in four chunks of 64
+    assert first[0] - steps >= 3  # a decode step of the others after each chunk but the last
+    assert got == [reference(model, p, 24) for p in short]
+    assert outs == [reference(model, short[0], 60), reference(model, short[1], 60), reference(model, long, 8)]
