@@ -154,8 +154,13 @@ def test_cli_flags():
                               "--port", "9000", "--decode-group", "8"])
     assert (args.cache, args.cache_budget, args.slots, args.max_length, args.port, args.decode_group) == (
         "kivi4", "2GiB", None, 1024, 9000, 8)
+    assert (args.prefill_batch, args.prefill_tokens) == (8, None)  # batched prefill by default
+    args = parser.parse_args(["serve", "--prefill-batch", "1", "--prefill-tokens", "4096"])
+    assert (args.prefill_batch, args.prefill_tokens) == (1, 4096)
     with pytest.raises(SystemExit):  # a slot count or a budget, not both
         parser.parse_args(["serve", "--slots", "4", "--cache-budget", "2GiB"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefill-batch", "0"])
     bench = parser.parse_args(["bench", "serve", "--clients", "1,8", "--url", "http://127.0.0.1:8000"])
     assert bench.clients == [1, 8] and bench.cache == "full,kivi2"
     from kivi_jax.cli import main

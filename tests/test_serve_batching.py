@@ -36,9 +36,9 @@ def leaves(cache) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("spec,chunk,lengths,exact", [
     (SPEC, 64, [5, 17, 40, 63], True),  # one chunk of 64, ragged
-    (SPEC, 64, [70, 150, 200], True),  # four chunks of 64 (3 prompts: a 4-row call with an empty row)
-    ("full", 64, [3, 100], True),
-    (SPEC, 16, [20, 37, 50], False),  # chunks of 16: XLA's dot of 16 rows rounds unlike that of 64
+    (SPEC, 64, [130, 150, 190], True),  # three chunks of 64 (3 prompts: a 4-row call with an empty row)
+    ("full", 64, [70, 100], True),
+    (SPEC, 16, [34, 37, 48], False),  # chunks of 16: XLA's dot of 16 rows rounds unlike that of 64
 ])
 def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec, chunk, lengths, exact):
     """The same cache rows (bit for bit, every leaf, at chunk widths of whole PROMPT_BUCKETs, as the server's are;
@@ -49,6 +49,9 @@ def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec,
     together = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk)
     first_alone = [alone.admit(p, RowSampling(0.0)) for p in batch]
     assert together.batchable(batch[0]) and not alone.batchable(batch[0])
+    with pytest.raises(ValueError, match="one prefill shape"):  # a prompt of another chunk count waits for its own
+        together.start_prefill([Waiting(p, [RowSampling(0.0)]) for p in batch + [batch[0] + [3] * chunk]])
+    assert together.count("free") == len(batch)  # nothing reserved by the refused call
     job = together.start_prefill([Waiting(p, [RowSampling(0.0)]) for p in batch])
     assert job.rows == 1 << (len(batch) - 1).bit_length()
     assert together.count("filling") == len(batch) and not together.has_free_slot()
@@ -104,7 +107,8 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     short = prompts(5, [4, 9, 12, 30, 41, 60])
     long = prompts(6, [250])[0]
     eng = Engine(model.params, SPEC, slots=8, max_length=384, prefill_chunk=64, prefill_tokens=256, decode_group=4)
-    assert eng.prefill_room(64) == 4
+    assert eng.prefill_room((64, 1)) == 4
+    assert Engine(model.params, SPEC, slots=8, max_length=384).prefill_tokens == 512  # the CPU's default
     sched = Scheduler(eng, model.tokenizer)
     with sched.paused():  # all six wait before the loop runs, so they are batched
         sched.start()

@@ -12,7 +12,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
     from kivi_jax.cli_args import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.cli_args import integer
-    from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
+    from kivi_jax.serve.engine import CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS
 
     add_model_args(p)
     add_cache_args(p, cache_default)
@@ -27,9 +27,10 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     p.add_argument("--prefill-batch", type=integer(1), default=DEFAULT_PREFILL_BATCH,
                    help=f"waiting prompts of one chunk width prefilled together (default {DEFAULT_PREFILL_BATCH}; 1: "
                         "one at a time; always 1 on a mesh)")
-    p.add_argument("--prefill-tokens", type=integer(1), default=DEFAULT_PREFILL_TOKENS,
+    p.add_argument("--prefill-tokens", type=integer(1), default=None,
                    help=f"tokens a batched prefill call takes at most, prompts x chunk width (default "
-                        f"{DEFAULT_PREFILL_TOKENS}): a bound on the pause it puts between decode steps")
+                        f"{CPU_PREFILL_TOKENS} on a CPU, where more rows a call gain nothing, {PREFILL_TOKENS} on a "
+                        "GPU or TPU): a bound on the pause it puts between decode steps")
     p.add_argument("--max-queue", type=integer(1), default=64, help="requests that may wait for a slot; past it: 503")
     p.add_argument("--decode-group", type=integer(1), default=None,
                    help="decode the slots in groups of this many, skipping groups with no live request (default: "

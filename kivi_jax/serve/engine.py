@@ -47,7 +47,9 @@ from kivi_jax.serve.sampling import (RowSampling, apply_bitmask, bitmask_width, 
 
 DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFILL_BATCH = 8  # prompts prefilled together at most (in power-of-two row counts)
-DEFAULT_PREFILL_TOKENS = 2048  # tokens a batched prefill call takes at most: rows x the chunk width
+PREFILL_TOKENS = 2048  # tokens a batched prefill call takes at most (rows x the chunk width) on a GPU or TPU
+CPU_PREFILL_TOKENS = 512  # ... and on a CPU, where a prefill is compute-bound: more rows a call gain nothing there
+# (docs/serving.md), so long prompts go one a call (still a chunk an iteration) and short ones up to 8 together
 
 FREE, LIVE, HELD, FILLING = "free", "live", "held", "filling"  # FILLING: reserved for a batched prefill in progress
 
@@ -272,6 +274,12 @@ CPU_DECODE_GROUP = 16  # slots a decode call computes on a CPU by default (docs/
 # kivi2 slots gave 0.13x the full cache's tokens/s at 1 client, groups of 16 0.79x)
 
 
+def default_prefill_tokens() -> int:
+    """The batched prefill's token budget when none is given: CPU_PREFILL_TOKENS on the CPU backend, else
+    PREFILL_TOKENS."""
+    return CPU_PREFILL_TOKENS if jax.default_backend() == "cpu" else PREFILL_TOKENS
+
+
 def default_decode_group(slots: int, data: int = 1) -> int:
     """The decode group when none is given: all slots in one step on an accelerator (a memory-bound step: extra rows
     are nearly free), groups of CPU_DECODE_GROUP (a multiple of the mesh's data axis) on the CPU backend, where every
@@ -296,7 +304,7 @@ class Engine:
         decode_group: int | None = None,
         mesh=None,
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
-        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        prefill_tokens: int | None = None,
     ):
         cfg = params.config
         mesh = sharding.resolve_mesh(mesh)
@@ -310,6 +318,7 @@ class Engine:
             raise ValueError(f"decode_group={decode_group} must be at least 1 (or None: all slots in one step)")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be at least 1")
+        prefill_tokens = default_prefill_tokens() if prefill_tokens is None else prefill_tokens
         if prefill_batch < 1 or prefill_tokens < 1:
             raise ValueError(f"prefill_batch={prefill_batch} and prefill_tokens={prefill_tokens} must be at least 1 "
                              "(prefill_batch 1: one prompt a prefill call)")
@@ -587,24 +596,26 @@ class Engine:
         would spare it the work."""
         return self.prefill_batch > 1 and self._reusable(prompt) is None
 
-    def prefill_width(self, prompt: list[int]) -> int:
-        """The chunk width of the prompt's prefill: prompts of one width are prefilled together."""
-        return chunk_size(len(prompt), self.prefill_chunk)
+    def prefill_shape(self, prompt: list[int]) -> tuple[int, int]:
+        """(chunk width, chunks) of the prompt's prefill: prompts of one shape are prefilled together, so that each
+        sees the chunks it sees alone and none computes chunks past its own end."""
+        width = chunk_size(len(prompt), self.prefill_chunk)
+        return width, -(-len(prompt) // width)
 
-    def prefill_room(self, width: int) -> int:
-        """The most prompts of chunk width `width` one batched prefill takes."""
-        return max(1, min(self.prefill_batch, self.prefill_tokens // width))
+    def prefill_room(self, shape: tuple[int, int]) -> int:
+        """The most prompts of prefill shape `shape` one batched prefill takes."""
+        return max(1, min(self.prefill_batch, self.prefill_tokens // shape[0]))
 
     def start_prefill(self, requests: Sequence[Waiting]) -> PrefillJob:
-        """Reserves the slots of `requests` (one a choice; every prompt of one `prefill_width`, at most
+        """Reserves the slots of `requests` (one a choice; every prompt of one `prefill_shape`, at most
         `prefill_room` of them) and sets up their prefill into one cache; `advance` runs it a chunk at a time. A
         request that does not fit raises as `admit_choices` does, before anything is reserved."""
         requests = list(requests)
-        widths = {self.prefill_width(r.prompt) for r in requests}
-        if not requests or len(widths) != 1 or len(requests) > self.prefill_room(next(iter(widths))):
-            raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one chunk width, not "
-                             f"{len(requests)} of widths {sorted(widths)}")
-        width = widths.pop()
+        shapes = {self.prefill_shape(r.prompt) for r in requests}
+        if not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
+            raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
+                             f"{len(requests)} of shapes {sorted(shapes)}")
+        width, chunks = shapes.pop()
         need = 0
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints)
@@ -627,8 +638,8 @@ class Engine:
             tokens[i, : len(r.prompt)] = r.prompt
             lengths[i] = len(r.prompt)
         cache = make_cache(self.spec, self.cfg, rows, self.max_length, self.dtype, self.impl)
-        chunks = prefill_steps(self.params, tokens, lengths, cache, self.prefill_chunk)
-        return PrefillJob(requests, slots, rows, width, chunks, -(-longest // width))
+        return PrefillJob(requests, slots, rows, width, prefill_steps(self.params, tokens, lengths, cache,
+                                                                      self.prefill_chunk), chunks)
 
     def advance(self, job: PrefillJob) -> list[Admitted] | None:
         """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and

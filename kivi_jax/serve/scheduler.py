@@ -3,7 +3,7 @@ and incremental text. No HTTP here: a request carries an `emit` callback that re
 
 The thread loops: drop cancelled requests (freeing their slots), admit waiting requests into free slots (prefill and
 insert), then decode every live slot once. Plain requests are prefilled together (`Engine.start_prefill`: the oldest
-waiting one and those behind it whose prompts have its chunk width, as many as the engine's token budget takes), one
+waiting one and those behind it whose prompts have its prefill shape, chunk width and count, as many as the engine's token budget takes), one
 chunk an iteration, so a long prompt shares the time with the running decodes instead of stalling them. Text is decoded from all of a request's tokens each step and only the part
 that can no longer change is emitted (not a half multi-byte character, not the start of a stop string). `cancel` takes
 a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and ends the waiting ones,
@@ -361,10 +361,10 @@ class Scheduler:
         return w
 
     def _start_job(self, first: Request) -> None:
-        """Starts a batched prefill of `first` and of the waiting requests behind it that share its chunk width
+        """Starts a batched prefill of `first` and of the waiting requests behind it that share its prefill shape
         (plain ones, no held prefix to reuse), as many as the token budget and the open slots allow."""
-        width = self.engine.prefill_width(first.prompt)
-        room, open_slots = self.engine.prefill_room(width), self.engine.open_slots()
+        shape = self.engine.prefill_shape(first.prompt)
+        room, open_slots = self.engine.prefill_room(shape), self.engine.open_slots()
         taken, reqs = [], []
         w = self._waiting_of(first)
         if w is not None:
@@ -374,7 +374,7 @@ class Scheduler:
                 if len(taken) >= room:
                     break
                 if (req.score_prompt or req.n > open_slots or req.cancelled.is_set()
-                        or self.engine.prefill_width(req.prompt) != width or not self.engine.batchable(req.prompt)):
+                        or self.engine.prefill_shape(req.prompt) != shape or not self.engine.batchable(req.prompt)):
                     continue
                 w = self._waiting_of(req)
                 self.waiting.remove(req)

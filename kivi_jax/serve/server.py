@@ -6,8 +6,7 @@ import dataclasses
 
 from kivi_jax import sharding
 from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.serve.engine import (DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS, Engine,
-                                   capacity_report)
+from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, Engine, capacity_report
 from kivi_jax.serve.scheduler import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, Scheduler  # noqa: F401
 
 DEFAULT_MAX_LENGTH = 4096
@@ -72,13 +71,13 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
-                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> Server:
+                 prefill_tokens: int | None = None) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
     running requests get at shutdown): see kivi_jax.serve.http; None: the defaults above. `prefill_batch` prompts
-    at most are prefilled in one call, `prefill_tokens` tokens at most (rows x chunk width; 1 prompt: one at a
-    time)."""
+    at most are prefilled in one call, `prefill_tokens` tokens at most (rows x chunk width; None: 512 on a CPU,
+    2048 elsewhere, `engine.default_prefill_tokens`)."""
     check_serve_extra()
     from kivi_jax.serve import http
 

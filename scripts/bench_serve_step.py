@@ -1,0 +1,143 @@
+"""Where a serving decode step's time goes, at several live-sequence counts: weights, attention, sampling, host.
+
+    python scripts/bench_serve_step.py --cache kivi2 --live 1,8,32,64 --context 512 --json docs/bench/serve_step.json
+
+For each count L an engine of L slots in one decode group (one step computes exactly the L live rows) is filled with
+L prompts of `--context` tokens (batched prefill), then, each the median of `--steps` repeats:
+- `step`: `Engine.step()` as the scheduler calls it (host arrays in, tokens back on the host);
+- `device`: the jitted decode call alone (`engine.decode_slots`, inputs already on the device, blocked on);
+- `weights`: the model's forward over one token a row without a cache (`forward(params, tokens [L, 1])`): the
+  projections, MLP, norms and the LM head, with attention over the one new token only;
+- `sampling`: the per-row choice (`engine._choose`, greedy rows) over logits `[L, vocab]`;
+- `attention` = device - weights - sampling (the cache's attention over `--context` tokens and its commit);
+- `host` = step - device (building the inputs, the call's dispatch, reading the tokens).
+Beside them: XLA:CPU's dot rate at the step's shapes (`[L, hidden] x [hidden, intermediate]`), a large square
+matmul's rate (the machine's attainable FLOP rate) and a copy's bandwidth (numpy, 512 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # compile / warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def dot_rate(rows: int, k: int, n: int, repeats: int) -> float:
+    """GFLOP/s of a jitted float32 `[rows, k] x [k, n]`."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((rows, k), jnp.float32)
+    w = jnp.ones((k, n), jnp.float32) / k
+    f = jax.jit(lambda x, w: x @ w)
+    t = median_time(lambda: f(x, w).block_until_ready(), repeats)
+    return 2 * rows * k * n / t / 1e9
+
+
+def copy_bandwidth() -> float:
+    """GB/s (read + write) of a numpy copy of 512 MiB."""
+    import numpy as np
+
+    a = np.ones(2**27, np.float32)
+    b = np.empty_like(a)
+    t = median_time(lambda: np.copyto(b, a), 5)
+    return 2 * a.nbytes / t / 1e9
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--weights", default="float32")
+    p.add_argument("--cache", default="kivi2")
+    p.add_argument("--live", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens a sequence holds (default 512)")
+    p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kivi_jax
+    from kivi_jax.models.decoder import forward
+    from kivi_jax.serve import engine as E
+    from kivi_jax.serve.sampling import RowSampling
+
+    model = kivi_jax.load(args.model, progress=False, weights=args.weights)
+    params, cfg = model.params, model.config
+    rng = np.random.RandomState(0)
+    weights_fn = jax.jit(forward)
+    choose = jax.jit(E._choose)
+    rows_out = []
+    for live in [int(x) for x in args.live.split(",")]:
+        max_length = -(-(args.context + 4 * args.steps + 8) // 256) * 256
+        eng = E.Engine(params, args.cache, slots=live, decode_group=live, max_length=max_length, prefix_reuse=False)
+        prompts = [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)]
+        room = eng.prefill_room(eng.prefill_shape(prompts[0]))
+        for i in range(0, live, room):
+            job = eng.start_prefill([E.Waiting(q, [RowSampling(0.0)]) for q in prompts[i : i + room]])
+            while eng.advance(job) is None:
+                pass
+        step = median_time(eng.step, args.steps)
+
+        # the decode call alone, as step_scored makes it (every row live and greedy)
+        put = jnp.asarray
+        zeros_i, zeros_b = put(np.zeros(live, np.int32)), put(np.zeros(live, bool))
+        temperature, top_k, top_p = E.Engine._row_arrays([RowSampling(0.0)] * live)
+        tokens = put(np.full(live, 5, np.int32))
+        state = {"cache": eng.caches[0], "keys": eng.keys[0]}
+
+        def device():
+            out = E.decode_slots(eng.params, tokens, put(np.ones(live, bool)), state["cache"], state["keys"],
+                                 temperature, top_k, top_p, zeros_b, zeros_i, zeros_b, eng.no_mask[0], zeros_b)
+            state["cache"], state["keys"] = out[4], out[5]
+            out[0].block_until_ready()
+
+        dev = median_time(device, args.steps)
+        one = put(np.full((live, 1), 5, np.int32))
+        w = median_time(lambda: weights_fn(eng.params, one)[0].block_until_ready(), args.steps)
+        logits = put(rng.randn(live, cfg.vocab_size).astype(np.float32))
+        keys = put(np.zeros((live, 2), np.uint32))
+        s = median_time(lambda: choose(logits, keys, temperature, top_k, top_p, zeros_b, zeros_i, zeros_b,
+                                       eng.no_mask[0], zeros_b)[0].block_until_ready(), args.steps)
+        rate = dot_rate(live, cfg.hidden_size, cfg.intermediate_size, args.steps)
+        row = {"live": live, "context": args.context, "step_ms": round(step * 1e3, 2), "device_ms": round(dev * 1e3, 2),
+               "weights_ms": round(w * 1e3, 2), "sampling_ms": round(s * 1e3, 2),
+               "attention_ms": round((dev - w - s) * 1e3, 2), "host_ms": round((step - dev) * 1e3, 2),
+               "tokens_per_s": round(live / step, 1), "mlp_dot_gflops": round(rate, 1)}
+        rows_out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    peak = dot_rate(1024, 1024, 1024, 5)
+    bw = copy_bandwidth()
+    out = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+           "jax": jax.__version__, "model": args.model, "weights": args.weights, "cache": args.cache,
+           "peak_matmul_gflops_1024": round(peak, 1), "copy_gb_per_s": round(bw, 2), "rows": rows_out}
+    print("| live | step ms | device | weights | attention | sampling | host | tokens/s | MLP dot GFLOP/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows_out:
+        print(f"| {r['live']} | {r['step_ms']} | {r['device_ms']} | {r['weights_ms']} | {r['attention_ms']} | "
+              f"{r['sampling_ms']} | {r['host_ms']} | {r['tokens_per_s']} | {r['mlp_dot_gflops']} |")
+    print(f"1024^3 matmul: {peak:.1f} GFLOP/s; numpy copy: {bw:.2f} GB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

