@@ -96,6 +96,10 @@ class FullCache:
             error_flags=self.error_flags | capacity_flags(self.length, num_new, self.max_tokens),
         )
 
+    def attending(self, live: jax.Array) -> "FullCache":
+        """The cache as a step over only the `live [batch]` rows attends to it (the others empty)."""
+        return self.replace(length=jnp.where(live, self.length, 0))
+
     def grown(self, max_tokens: int) -> "FullCache":
         """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
         pad = [(0, 0)] * 3 + [(0, max_tokens - self.max_tokens), (0, 0)]
@@ -451,6 +455,12 @@ class KIVICache:
             error_flags=self.error_flags | flags,
             **sinks,
         )
+
+    def attending(self, live: jax.Array) -> "KIVICache":
+        """The cache as a step over only the `live [batch]` rows attends to it (the others empty, their ring and
+        sinks masked with them; the per-layer-bits part alike)."""
+        first = None if self.first is None else self.first.attending(live)
+        return self.replace(length=jnp.where(live, self.length, 0), first=first)
 
     def grown(self, max_tokens: int) -> "KIVICache":
         """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""

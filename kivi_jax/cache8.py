@@ -184,6 +184,10 @@ class Dense8Cache:
             error_flags=self.error_flags | flags,
         )
 
+    def attending(self, live: jax.Array) -> "Dense8Cache":
+        """The cache as a step over only the `live [batch]` rows attends to it (the others empty)."""
+        return self.replace(length=jnp.where(live, self.length, 0))
+
     def grown(self, max_tokens: int) -> "Dense8Cache":
         """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
         extra = max_tokens - self.max_tokens

@@ -188,6 +188,9 @@ class NoCache:
     def commit(self, updates, num_new):
         return self
 
+    def attending(self, live):
+        return self
+
     def replace(self, **changes):
         for name, value in changes.items():
             setattr(self, name, value)
@@ -260,7 +263,7 @@ def attention_kinds(cfg: ModelConfig) -> tuple[tuple[tuple[int | None, float | N
 
 def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: jax.Array | None,
            logits_at: jax.Array | None, block, norm=rms_norm, embed_scale: float | None = None,
-           ) -> tuple[jax.Array, KVCache | None]:
+           rows: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """The forward pass of every architecture: `forward`'s contract (see `llama.forward`) around its layer.
 
     `block(cfg, lp, x, attend) -> (x, update)` is one layer over `x [batch, T, hidden]` with its params `lp`;
@@ -268,7 +271,11 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     rotates and scales the queries (`cfg.query_scale`) and hands them to the cache with the layer's window and
     soft-cap, returning the attention `[batch, T, q_heads, head_dim]` and the cache's update. Layers whose options
     differ are told apart by a `lax.switch` on their index into `attention_kinds`, so each option stays static for
-    the cache and its kernels. `norm(x, w, eps)` is the final norm, `embed_scale` multiplies the embeddings."""
+    the cache and its kernels. `norm(x, w, eps)` is the final norm, `embed_scale` multiplies the embeddings.
+
+    `rows [B]` (with a cache): `tokens [B, T]` (and `num_new`, `logits_at`) are for those rows of the cache's batch
+    only (an index past the batch: a padding row, dropped), so the projections and the MLP compute B rows whatever
+    the cache's batch; the other rows are left as they were and their attention is skipped (`cache.attending`)."""
     cfg = params.config
     batch, n_tok = tokens.shape
     dtype = params.dtype
@@ -277,9 +284,26 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
         cache = NoCache(batch, n_tok)
     check_value_basis(params, cache)
     num_new = jnp.full((batch,), n_tok, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
-    bad_tokens = check_inputs(tokens, num_new, logits_at, cache, cfg.vocab_size)
-    num_new = jnp.clip(num_new, 0, n_tok)
-    positions = cache.length[:, None] + jnp.arange(n_tok, dtype=jnp.int32)[None, :]  # [batch, T]
+    steps = jnp.arange(n_tok, dtype=jnp.int32)[None, :]
+    if rows is None:
+        bad_tokens = check_inputs(tokens, num_new, logits_at, cache, cfg.vocab_size)
+        num_new = jnp.clip(num_new, 0, n_tok)
+        positions = cache.length[:, None] + steps  # [batch, T]
+        to_cache, of_rows, seen = num_new, (lambda a: a), cache
+        row_positions = positions
+    else:
+        held = cache.length.shape[0]
+        of_rows = lambda a: a.at[rows].get(mode="fill", fill_value=0)  # noqa: E731 ([held, ...] -> [B, ...])
+        row_view = NoCache(batch, cache.max_tokens).replace(length=of_rows(cache.length))  # for the input checks
+        bad_tokens = check_inputs(tokens, num_new, logits_at, row_view, cfg.vocab_size)
+        num_new = jnp.clip(num_new, 0, n_tok)
+        to_cache = jnp.zeros((held,), jnp.int32).at[rows].set(num_new, mode="drop")  # [held]
+        seen = cache.attending(jnp.zeros((held,), bool).at[rows].set(True, mode="drop"))
+        positions = seen.length[:, None] + steps  # [held, T]
+        row_positions = of_rows(cache.length)[:, None] + steps  # [B, T]
+
+    def to_held(a):  # [B, ...] -> [held, ...], zeros elsewhere
+        return a if rows is None else jnp.zeros((held,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
     rope = Rotary(rope_inv_freq(cfg))
     options, kinds = attention_kinds(cfg)
     q_scale = cfg.query_scale
@@ -292,12 +316,14 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
         lp = weights.join_layer(lp, whole, layer)
 
         def attend(q, k, v):
-            q = rope(q, positions)
+            q = rope(q, row_positions)
             if q_scale != 1.0:
                 q = q * jnp.asarray(q_scale, q.dtype)
-            branches = [functools.partial(cache.attend, layer, q, k, v, positions, rope, num_new, window,
+            q, k, v = to_held(q), to_held(k), to_held(v)
+            branches = [functools.partial(seen.attend, layer, q, k, v, positions, rope, to_cache, window,
                                           softcap=cap) for window, cap in options]
-            return branches[0]() if len(branches) == 1 else jax.lax.switch(kind, branches)
+            out, update = branches[0]() if len(branches) == 1 else jax.lax.switch(kind, branches)
+            return of_rows(out), update
 
         return block(cfg, lp, x, attend)
 
@@ -308,8 +334,9 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     layer_kinds = jnp.asarray(kinds, jnp.int32) if len(options) > 1 else None  # [layers]
     # The cache is only read inside the loop; every layer's update comes out stacked and is written once after it.
     x, updates = jax.lax.scan(layer_step, x, (sliced, layer_ids, layer_kinds))
-    cache = cache.commit(updates, num_new)
-    cache = cache.replace(error_flags=cache.error_flags | jnp.where(bad_tokens, BAD_TOKEN, 0).astype(jnp.int32))
+    cache = cache.commit(updates, to_cache)
+    bad_flags = jnp.where(bad_tokens, BAD_TOKEN, 0).astype(jnp.int32)  # [batch]
+    cache = cache.replace(error_flags=cache.error_flags | to_held(bad_flags))
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)  # [batch, 1, hidden]
     x = norm(x, params.final_norm, cfg.rms_norm_eps)
@@ -318,12 +345,16 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     else:
         logits = weights.dot_head(x, params.lm_head)
     logits = softcap(logits, cfg.final_logit_softcap)
-    poisoned = (cache.error_flags & POISON) != 0  # [batch]
+    poisoned = (of_rows(cache.error_flags) & POISON) != 0  # [batch]
     logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
     return logits, (cache if given is not None else None)
 
 
 def forward(params: Params, tokens: jax.Array, cache: KVCache | None = None, num_new: jax.Array | None = None,
-            logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-    """The forward pass of whichever architecture `params.config` names (`llama.forward` documents the contract)."""
-    return for_config(params.config).forward(params, tokens, cache, num_new, logits_at)
+            logits_at: jax.Array | None = None, rows: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    """The forward pass of whichever architecture `params.config` names (`llama.forward` documents the contract;
+    `rows`: `decode`'s)."""
+    arch = for_config(params.config)
+    if rows is None:
+        return arch.forward(params, tokens, cache, num_new, logits_at)
+    return arch.forward(params, tokens, cache, num_new, logits_at, rows=rows)

@@ -61,4 +61,10 @@ class KVCache(Protocol):
         buffers in place."""
         ...
 
+    def attending(self: C, live: jax.Array) -> C:
+        """The cache as the attention of a step over only the `live [batch]` rows sees it: the other rows hold no
+        tokens, so their attention costs nothing (`commit` is then called on the cache itself, those rows given
+        `num_new = 0`)."""
+        ...
+
     def replace(self: C, **changes) -> C: ...

@@ -85,9 +85,9 @@ def block(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attend):
     return x, update
 
 
-def qwen_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None):
+def qwen_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None):
     """`llama.llama_forward`'s contract over a Qwen2 / Qwen3 model."""
-    return decode(params, tokens, cache, num_new, logits_at, block)
+    return decode(params, tokens, cache, num_new, logits_at, block, rows=rows)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

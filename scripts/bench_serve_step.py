@@ -11,6 +11,9 @@ L prompts of `--context` tokens (batched prefill), then, each the median of `--s
 - `sampling`: the per-row choice (`engine._choose`, greedy rows) over logits `[L, vocab]`;
 - `attention` = device - weights - sampling (the cache's attention over `--context` tokens and its commit);
 - `host` = step - device (building the inputs, the call's dispatch, reading the tokens).
+With `--slots S`: also the whole step of an engine of S slots (its default decode groups) holding L live sequences,
+bucketed (the default: only the live rows computed, padded to a power of two) against unbucketed groups of 16
+(`Engine(buckets=False)`, what a CPU server ran before buckets), each the median of `--steps`.
 Beside them: XLA:CPU's dot rate at the step's shapes (`[L, hidden] x [hidden, intermediate]`), a large square
 matmul's rate (the machine's attainable FLOP rate) and a copy's bandwidth (numpy, 512 MiB).
 """
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--live", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512, help="prompt tokens a sequence holds (default 512)")
     p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--slots", type=int, default=0, help="also time an engine of this many slots (0: not)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -121,16 +125,41 @@ def main(argv=None) -> int:
                "tokens_per_s": round(live / step, 1), "mlp_dot_gflops": round(rate, 1)}
         rows_out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+    engine_rows = []
+    for live in [int(x) for x in args.live.split(",")] if args.slots else []:
+        row = {"slots": args.slots, "live": live, "context": args.context}
+        for buckets in (True, False):
+            max_length = -(-(args.context + 4 * args.steps + 8) // 256) * 256
+            eng = E.Engine(params, args.cache, slots=args.slots, max_length=max_length, prefix_reuse=False,
+                           buckets=buckets)
+            prompts = [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)]
+            room = eng.prefill_room(eng.prefill_shape(prompts[0]))
+            for i in range(0, live, room):
+                job = eng.start_prefill([E.Waiting(q, [RowSampling(0.0)]) for q in prompts[i : i + room]])
+                while eng.advance(job) is None:
+                    pass
+            key = "bucketed" if buckets else "groups_of_16"
+            row[f"{key}_step_ms"] = round(median_time(eng.step, args.steps) * 1e3, 2)
+            row[f"{key}_groups"] = len(eng.groups)
+        row["ratio"] = round(row["bucketed_step_ms"] / row["groups_of_16_step_ms"], 3)
+        engine_rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     peak = dot_rate(1024, 1024, 1024, 5)
     bw = copy_bandwidth()
     out = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
            "jax": jax.__version__, "model": args.model, "weights": args.weights, "cache": args.cache,
-           "peak_matmul_gflops_1024": round(peak, 1), "copy_gb_per_s": round(bw, 2), "rows": rows_out}
+           "peak_matmul_gflops_1024": round(peak, 1), "copy_gb_per_s": round(bw, 2), "rows": rows_out,
+           "engine": engine_rows}
     print("| live | step ms | device | weights | attention | sampling | host | tokens/s | MLP dot GFLOP/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows_out:
         print(f"| {r['live']} | {r['step_ms']} | {r['device_ms']} | {r['weights_ms']} | {r['attention_ms']} | "
               f"{r['sampling_ms']} | {r['host_ms']} | {r['tokens_per_s']} | {r['mlp_dot_gflops']} |")
+    if engine_rows:
+        print(f"| live | {args.slots} slots bucketed ms | groups of 16 ms | ratio |")
+        print("|---:|---:|---:|---:|")
+        for r in engine_rows:
+            print(f"| {r['live']} | {r['bucketed_step_ms']} | {r['groups_of_16_step_ms']} | {r['ratio']} |")
     print(f"1024^3 matmul: {peak:.1f} GFLOP/s; numpy copy: {bw:.2f} GB/s")
     if args.json:
         with open(args.json, "w") as f:

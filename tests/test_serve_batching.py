@@ -1,5 +1,6 @@
-"""Batched prefill in the serving engine: several waiting prompts of one chunk width in one forward call, a chunk an
-iteration between the running decode steps. What a request gets must not depend on what it was batched with."""
+"""Batching in the serving engine: several waiting prompts of one prefill shape in one forward call, a chunk an
+iteration between the running decode steps; a decode step over only the live rows, padded to a power-of-two bucket.
+What a request gets must not depend on what it was batched with."""
 
 from __future__ import annotations
 
@@ -136,3 +137,40 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     assert first[0] - steps >= 3  # a decode step of the others after each chunk but the last
     assert got == [reference(model, p, 24) for p in short]
     assert outs == [reference(model, short[0], 60), reference(model, short[1], 60), reference(model, long, 8)]
+
+
+@pytest.mark.parametrize("spec", [SPEC, "full", "int8", "kivi2+"])
+def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec):
+    """Requests arrive and finish at random steps over 8 slots (so the live set is ragged, with held and free rows
+    between live ones): every step's tokens equal those of the step that computes all 8 rows, and the bucketed
+    engine compiles at most one decode a bucket size (1, 2, 4, 8)."""
+    from kivi_jax.serve import engine as engine_mod
+
+    rng = np.random.RandomState(11)
+    batch = prompts(12, rng.randint(3, 40, 10))
+    plan = [(int(rng.randint(0, 40)), int(rng.randint(4, 25))) for _ in batch]  # (arrival step, tokens)
+    got = {}
+    for buckets in (False, True):
+        eng = Engine(model.params, spec, slots=8, max_length=128, prefill_chunk=64, buckets=buckets, prefill_batch=1)
+        assert eng.groups == [(0, 8)] and eng.buckets == buckets
+        compiled = engine_mod.decode_slots._cache_size()
+        steps, live, trace = 0, {}, []
+        while steps < 70:
+            for i, (at, _) in enumerate(plan):
+                if at == steps and eng.has_free_slot():
+                    slot, _tok = eng.admit(batch[i], RowSampling(0.0))
+                    live[slot] = (i, 0)
+            out = eng.step()
+            trace.append(sorted((live[s][0], t) for s, t in out.items()))
+            for s in list(live):
+                i, n = live[s]
+                live[s] = (i, n + 1)
+                if n + 1 >= plan[i][1]:
+                    eng.finish(s, hold=bool(i % 2))  # some held (length kept), some freed
+                    del live[s]
+            steps += 1
+        got[buckets] = trace
+        if buckets:
+            assert engine_mod.decode_slots._cache_size() - compiled <= 4  # buckets 1, 2, 4, 8
+    assert any(len(t) > 1 for t in got[True]) and any(len(t) == 1 for t in got[True])
+    assert got[True] == got[False]

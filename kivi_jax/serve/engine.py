@@ -4,10 +4,12 @@ A slot is FREE (nothing in it), LIVE (a request decoding) or HELD (a finished re
 until the slot is needed). `admit` prefills a request into a one-sequence cache (in chunks of a static size, starting
 from a held prefix's cache when the prompt extends one), samples its first token and inserts the cache into a slot;
 `step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one. One
-request may take several slots (`n` choices): its prompt is prefilled once and the cache inserted into each. With
-`decode_group` (by default 16 on a CPU, all slots elsewhere: `default_decode_group`) the slots are split into groups,
-each its own batch cache, and a step calls the one jitted decode once per group that holds a live slot (one
-compilation a group size; idle groups cost nothing).
+request may take several slots (`n` choices): its prompt is prefilled once and the cache inserted into each. A step
+computes only the live slots: their rows, padded to a power of two (a bucket, one compilation each), go through the
+model's projections and MLP, and the attention of the other rows is skipped (`forward`'s `rows`). With
+`decode_group` the slots are split into groups, each its own batch cache, and a step calls the one jitted decode once
+per group that holds a live slot (by default one group; on a mesh, where steps are not bucketed, groups of 16 on a
+CPU: `default_decode_group`).
 
 Every cache leaf is stacked `[layers, batch, ...]` or is `[batch]`; the batch axis of each leaf is derived once by
 comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract` work for any cache kind.
@@ -183,12 +185,16 @@ def sample_first(logits, keys, temperature, top_k, top_p, constrained, bitmask, 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "keys"))
 def decode_slots(params: Params, tokens, live, cache, keys, temperature, top_k, top_p, forced, forced_next,
-                 constrained, bitmask, wanted):
+                 constrained, bitmask, wanted, rows=None):
     """One token for every slot: `tokens [slots]`, `live [slots]` bool (other slots advance by 0 tokens) -> (next
-    tokens `[slots]`, their logprobs `[slots]`, top ids and logprobs `[slots, K]`, cache, keys); see `_choose`."""
-    logits, cache = forward(params, tokens[:, None], cache, num_new=live.astype(jnp.int32))
-    chosen, logprob, top_ids, top_logprobs, keys = _choose(logits[:, 0], keys, temperature, top_k, top_p, forced,
-                                                           forced_next, constrained, bitmask, wanted)
+    tokens `[slots]`, their logprobs `[slots]`, top ids and logprobs `[slots, K]`, cache, keys); see `_choose`.
+    With `rows [B]` (a bucket: slot indices, those past the slots padding) every per-row input and output is for
+    those rows only, and only they are computed (`forward`'s `rows`); the other slots are left as they were."""
+    logits, cache = forward(params, tokens[:, None], cache, num_new=live.astype(jnp.int32), rows=rows)
+    row_keys = keys if rows is None else keys.at[rows].get(mode="fill", fill_value=0)  # [rows, 2]
+    chosen, logprob, top_ids, top_logprobs, row_keys = _choose(logits[:, 0], row_keys, temperature, top_k, top_p,
+                                                               forced, forced_next, constrained, bitmask, wanted)
+    keys = row_keys if rows is None else keys.at[rows].set(row_keys, mode="drop")
     return chosen, logprob, top_ids, top_logprobs, cache, keys
 
 
@@ -270,8 +276,8 @@ class Slot:
     constraint: object = None  # a grammar's matcher: fill_bitmask(row) before, accept(token) after each draw
 
 
-CPU_DECODE_GROUP = 16  # slots a decode call computes on a CPU by default (docs/serving.md: one step over all 91
-# kivi2 slots gave 0.13x the full cache's tokens/s at 1 client, groups of 16 0.79x)
+CPU_DECODE_GROUP = 16  # slots a decode call computes on a CPU without buckets (a mesh) by default (docs/serving.md:
+# one unbucketed step over all 91 kivi2 slots gave 0.13x the full cache's tokens/s at 1 client, groups of 16 0.79x)
 
 
 def default_prefill_tokens() -> int:
@@ -280,11 +286,12 @@ def default_prefill_tokens() -> int:
     return CPU_PREFILL_TOKENS if jax.default_backend() == "cpu" else PREFILL_TOKENS
 
 
-def default_decode_group(slots: int, data: int = 1) -> int:
-    """The decode group when none is given: all slots in one step on an accelerator (a memory-bound step: extra rows
-    are nearly free), groups of CPU_DECODE_GROUP (a multiple of the mesh's data axis) on the CPU backend, where every
-    row of a step costs compute."""
-    if jax.default_backend() != "cpu" or slots <= CPU_DECODE_GROUP:
+def default_decode_group(slots: int, data: int = 1, buckets: bool = True) -> int:
+    """The decode group when none is given: all slots in one step, which computes only the live rows when they are
+    bucketed (`Engine(buckets=)`, off on a mesh) and on an accelerator (a memory-bound step: extra rows are nearly
+    free); groups of CPU_DECODE_GROUP (a multiple of the mesh's data axis) on the CPU backend without buckets, where
+    every row of a step costs compute."""
+    if buckets or jax.default_backend() != "cpu" or slots <= CPU_DECODE_GROUP:
         return slots
     return max(data, CPU_DECODE_GROUP // data * data)
 
@@ -305,6 +312,7 @@ class Engine:
         mesh=None,
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
         prefill_tokens: int | None = None,
+        buckets: bool = True,
     ):
         cfg = params.config
         mesh = sharding.resolve_mesh(mesh)
@@ -328,8 +336,11 @@ class Engine:
         self.spec = parse_cache_spec(cache)
         self.spec.check_shapes(cfg.head_dim, max_length)
         # Slots in groups of `decode_group` (default: `default_decode_group`), each group its own batch cache: a
-        # decode step runs one jitted call per group holding a live slot, so idle groups cost nothing.
-        group = min(decode_group or default_decode_group(slots, data), slots)
+        # decode step runs one jitted call per group holding a live slot, so idle groups cost nothing. With buckets a
+        # group's call computes only its live rows, padded to a power of two (a few compiled shapes); on a mesh every
+        # row (the bucket's gather would cross the data shards).
+        self.buckets = buckets and mesh is None
+        group = min(decode_group or default_decode_group(slots, data, self.buckets), slots)
         self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
         if any(n % data for _, n in self.groups):
             raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
@@ -700,15 +711,20 @@ class Engine:
     def step_scored(self) -> dict[int, Out]:
         """Feeds every live slot its last token and samples the next (or takes the next prompt token of a slot still
         scoring its prompt): {slot: Out}. Free and held slots get a pad token and 0 new tokens; a group without a live
-        slot is not run."""
+        slot is not run. With `buckets` a group computes only its live rows, padded to a power of two (at most the
+        group; `decode_slots`'s `rows`), and the other rows' attention is skipped; otherwise (a mesh) every row."""
         live = self.live_slots()
         if not live:
             return {}
         pending = []
         for g, (first, n) in enumerate(self.groups):
-            rows = self.slots[first : first + n]
-            if not any(s.state == LIVE for s in rows):
+            idx = [i for i in range(n) if self.slots[first + i].state == LIVE]  # live rows of the group
+            if not idx:
                 continue
+            bucket = self.buckets
+            width = min(1 << (len(idx) - 1).bit_length(), n)
+            picked = idx + [n] * (width - len(idx)) if bucket else list(range(n))  # n: a padding row
+            rows = [self.slots[first + i] if i < n else Slot() for i in picked]
             mask = np.array([s.state == LIVE for s in rows])
             tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
             sampling = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in rows]
@@ -716,22 +732,23 @@ class Engine:
             forced_next = np.array([s.forced[0] if f else 0 for s, f in zip(rows, forced)], np.int32)
             constrained = [s.state == LIVE and s.constraint is not None and not f for s, f in zip(rows, forced)]
             wanted = np.array([s.state == LIVE and s.logprobs for s in rows])
-            bitmask, _ = self._masks(rows, constrained, g)
+            bitmask, _ = self._masks(rows, constrained, None if bucket else g)
             with sharding.use_mesh(self.mesh):
                 nxt, lp, ids, top, self.caches[g], self.keys[g] = decode_slots(
                     self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
                     *self._row_arrays(sampling, self._put), self._put(forced), self._put(forced_next),
-                    self._put(np.array(constrained)), bitmask, self._put(wanted))
-            pending.append((first, n, nxt, (lp, ids, top) if wanted.any() else None))  # all dispatched, then read
+                    self._put(np.array(constrained)), bitmask, self._put(wanted),
+                    jnp.asarray(np.array(picked, np.int32)) if bucket else None)
+            at = [j for j, i in enumerate(picked) if i < n and self.slots[first + i].state == LIVE]
+            pending.append(([first + picked[j] for j in at], at, nxt, (lp, ids, top) if wanted.any() else None))
         out = {}
-        for first, n, nxt, scored in pending:
-            rows = [i for i in range(first, first + n) if self.slots[i].state == LIVE]
-            tokens = np.asarray(nxt)[[i - first for i in rows]]
+        for slots, at, nxt, scored in pending:  # all dispatched, then read
+            tokens = np.asarray(nxt)[at]
             if scored is not None:
-                scored = tuple(np.asarray(x)[[i - first for i in rows]] for x in scored)
-            for i in rows:
+                scored = tuple(np.asarray(x)[at] for x in scored)
+            for i in slots:
                 self.slots[i].tokens.append(self.slots[i].last)
-            for i, o in zip(rows, self._outs([self.slots[i] for i in rows], tokens, scored)):
+            for i, o in zip(slots, self._outs([self.slots[i] for i in slots], tokens, scored)):
                 self.slots[i].last = o.token
                 out[i] = o
                 self.counters["tokens_generated"] += not o.prompt
