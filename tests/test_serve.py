@@ -424,14 +424,12 @@ def test_real_model_answers_through_the_server(smollm2):
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_cpu_server_decodes_its_live_rows_in_one_group_and_in_groups_of_16_unbucketed(model):
+def test_a_cpu_server_decodes_in_groups_of_16_by_default(model):
     from kivi_jax.serve.engine import Engine, default_decode_group
 
     assert jax.default_backend() == "cpu"
-    assert default_decode_group(40) == 40  # bucketed: a step computes only the live rows
-    assert default_decode_group(8, buckets=False) == 8 and default_decode_group(40, buckets=False) == 16
-    assert default_decode_group(40, data=3, buckets=False) == 15  # a mesh's steps are not bucketed
-    assert Engine(model.params, SPEC, slots=40, max_length=64).groups == [(0, 40)]
-    eng = Engine(model.params, SPEC, slots=40, max_length=64, buckets=False)
-    assert eng.groups == [(0, 16), (16, 16), (32, 8)]
-    assert Engine(model.params, SPEC, slots=40, max_length=64, decode_group=16).groups == [(0, 16), (16, 16), (32, 8)]
+    assert default_decode_group(8) == 8 and default_decode_group(40) == 16 and default_decode_group(40, data=3) == 15
+    eng = Engine(model.params, SPEC, slots=40, max_length=64)
+    assert eng.groups == [(0, 16), (16, 16), (32, 8)] and eng.buckets  # each group's step: its live rows only
+    assert Engine(model.params, SPEC, slots=40, max_length=64, decode_group=40).groups == [(0, 40)]
+    assert not Engine(model.params, SPEC, slots=40, max_length=64, buckets=False).buckets

@@ -33,8 +33,9 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "GPU or TPU): a bound on the pause it puts between decode steps")
     p.add_argument("--max-queue", type=integer(1), default=64, help="requests that may wait for a slot; past it: 503")
     p.add_argument("--decode-group", type=integer(1), default=None,
-                   help="decode the slots in groups of this many, skipping groups with no live request (default: "
-                        "16 on a CPU, where idle slots otherwise cost time; all slots in one step on a GPU or TPU)")
+                   help="decode the slots in groups of this many, skipping groups with no live request; a group's "
+                        "step computes only its live rows (default: 16 on a CPU, where a slot's cache work still "
+                        "costs; all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
     add_mesh_args(p)  # with --mesh, --cache-budget is per device and slots a multiple of the data axis

@@ -6,10 +6,9 @@ from a held prefix's cache when the prompt extends one), samples its first token
 `step` decodes every live slot once in one jitted call; `finish` turns a live slot into a held (or free) one. One
 request may take several slots (`n` choices): its prompt is prefilled once and the cache inserted into each. A step
 computes only the live slots: their rows, padded to a power of two (a bucket, one compilation each), go through the
-model's projections and MLP, and the attention of the other rows is skipped (`forward`'s `rows`). With
-`decode_group` the slots are split into groups, each its own batch cache, and a step calls the one jitted decode once
-per group that holds a live slot (by default one group; on a mesh, where steps are not bucketed, groups of 16 on a
-CPU: `default_decode_group`).
+model's projections and MLP, and the attention of the other rows is skipped (`forward`'s `rows`; not on a mesh).
+With `decode_group` (by default 16 on a CPU, all slots elsewhere: `default_decode_group`) the slots are split into
+groups, each its own batch cache, and a step calls the one jitted decode once per group that holds a live slot.
 
 Every cache leaf is stacked `[layers, batch, ...]` or is `[batch]`; the batch axis of each leaf is derived once by
 comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract` work for any cache kind.
@@ -276,8 +275,8 @@ class Slot:
     constraint: object = None  # a grammar's matcher: fill_bitmask(row) before, accept(token) after each draw
 
 
-CPU_DECODE_GROUP = 16  # slots a decode call computes on a CPU without buckets (a mesh) by default (docs/serving.md:
-# one unbucketed step over all 91 kivi2 slots gave 0.13x the full cache's tokens/s at 1 client, groups of 16 0.79x)
+CPU_DECODE_GROUP = 16  # slots a decode call covers on a CPU by default (docs/serving.md: at 72 kivi2 slots, 1 to 32
+# live, bucketed groups of 16 were faster than one bucketed group of all 72 slots, which won only at 64 live)
 
 
 def default_prefill_tokens() -> int:
@@ -286,12 +285,12 @@ def default_prefill_tokens() -> int:
     return CPU_PREFILL_TOKENS if jax.default_backend() == "cpu" else PREFILL_TOKENS
 
 
-def default_decode_group(slots: int, data: int = 1, buckets: bool = True) -> int:
-    """The decode group when none is given: all slots in one step, which computes only the live rows when they are
-    bucketed (`Engine(buckets=)`, off on a mesh) and on an accelerator (a memory-bound step: extra rows are nearly
-    free); groups of CPU_DECODE_GROUP (a multiple of the mesh's data axis) on the CPU backend without buckets, where
-    every row of a step costs compute."""
-    if buckets or jax.default_backend() != "cpu" or slots <= CPU_DECODE_GROUP:
+def default_decode_group(slots: int, data: int = 1) -> int:
+    """The decode group when none is given: all slots in one step on an accelerator (a memory-bound step: extra rows
+    are nearly free), groups of CPU_DECODE_GROUP (a multiple of the mesh's data axis) on the CPU backend, where every
+    row of a step costs compute: a group's bucketed step computes only its live rows, but the cache's own per-row
+    work (the ring, the token-wise value quantization, the kernel's walk) still scales with the group's slots."""
+    if jax.default_backend() != "cpu" or slots <= CPU_DECODE_GROUP:
         return slots
     return max(data, CPU_DECODE_GROUP // data * data)
 
@@ -340,7 +339,7 @@ class Engine:
         # group's call computes only its live rows, padded to a power of two (a few compiled shapes); on a mesh every
         # row (the bucket's gather would cross the data shards).
         self.buckets = buckets and mesh is None
-        group = min(decode_group or default_decode_group(slots, data, self.buckets), slots)
+        group = min(decode_group or default_decode_group(slots, data), slots)
         self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
         if any(n % data for _, n in self.groups):
             raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
