@@ -17,7 +17,7 @@ out]` is held as `M = W.T` (rows are output units, `transposed=True`), an embedd
 4-bit codes are two a byte in GGUF's layout: byte j of a group holds code j in its low nibble and code j + G/2 in its
 high one. GGUF blocks dequantize bit for bit as `gguf.quants.dequantize` does.
 
-`matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.MAX_ROWS` rows of
+`matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.SPLIT_ROWS` rows of
 float32) the native kernel reads the codes once (`kivi_jax/native/matmul_cpu.cc`); otherwise (prefill chunks, GPU,
 TPU, a device mesh, `impl="xla"`) the XLA path dequantizes inside the dot. Inside the layer scan a stacked weight is
 read at the layer index (`at_layer`), never sliced.
@@ -166,7 +166,9 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
     from kivi_jax.native import matmul
 
     def cpu():
-        ys = matmul.qmatmul(x.reshape(n, cols), *ws)
+        flat = x.reshape(n, cols)
+        parts = [matmul.qmatmul(flat[i : i + matmul.MAX_ROWS], *ws) for i in range(0, n, matmul.MAX_ROWS)]
+        ys = [p[0] for p in zip(*parts)] if len(parts) == 1 else [jnp.concatenate(p) for p in zip(*parts)]
         return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
 
     # chosen when lowering: the kernel on the CPU, XLA's dot when the same program is lowered for a GPU or TPU

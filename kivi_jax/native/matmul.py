@@ -11,7 +11,10 @@ import numpy as np
 
 from kivi_jax.native import build
 
-MAX_ROWS = 32  # activation rows the kernel takes (decode steps); longer chunks (prefill) use XLA's dot
+MAX_ROWS = 32  # activation rows one kernel call takes
+SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS (each reads the weights once; a
+# 64-row decode step through two calls beat XLA's dequantize-then-dot, docs/serving.md); longer inputs (prefill
+# chunks) use XLA's dot
 BITS = (4, 8)
 
 
@@ -19,8 +22,8 @@ def unsupported(w, rows: int, x_dtype) -> str | None:
     """Why the native kernel cannot compute `x M^T` for this matrix and `rows` activation rows, or None."""
     if w.bits not in BITS:
         return f"the kernel reads {BITS}-bit codes, not {w.bits}"
-    if rows > MAX_ROWS:
-        return f"{rows} activation rows is more than the kernel's {MAX_ROWS} (a prefill chunk: XLA's dot)"
+    if rows > SPLIT_ROWS:
+        return f"{rows} activation rows is more than the native path's {SPLIT_ROWS} (a prefill chunk: XLA's dot)"
     if jnp.dtype(x_dtype) != jnp.float32:
         return f"the kernel computes in float32, not {jnp.dtype(x_dtype).name}"
     if w.bits == 4 and w.group % 2:
