@@ -256,7 +256,6 @@ class PrefillJob:
     requests: list[Waiting]
     slots: list[list[int]]  # reserved slots, one a choice, per request
     rows: int
-    width: int  # the chunk width (`generate.chunk_size` of every prompt here)
     chunks: object  # the `generate.prefill_steps` iterator
     chunks_left: int
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
@@ -625,7 +624,7 @@ class Engine:
         if not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
             raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
                              f"{len(requests)} of shapes {sorted(shapes)}")
-        width, chunks = shapes.pop()
+        _, chunks = shapes.pop()
         need = 0
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints)
@@ -648,8 +647,8 @@ class Engine:
             tokens[i, : len(r.prompt)] = r.prompt
             lengths[i] = len(r.prompt)
         cache = make_cache(self.spec, self.cfg, rows, self.max_length, self.dtype, self.impl)
-        return PrefillJob(requests, slots, rows, width, prefill_steps(self.params, tokens, lengths, cache,
-                                                                      self.prefill_chunk), chunks)
+        return PrefillJob(requests, slots, rows, prefill_steps(self.params, tokens, lengths, cache, self.prefill_chunk),
+                          chunks)
 
     def advance(self, job: PrefillJob) -> list[Admitted] | None:
         """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and
