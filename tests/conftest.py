@@ -47,8 +47,9 @@ TINY_CONFIGS = {
 }
 
 
-# The files that take longest, run first (largest first): pytest-xdist hands whole files to its workers in collection
-# order, so a long file collected late would run alone at the end (measured, 2 workers: test_sharding 230 s of child
+# The files that take longest, run first (largest first): pytest-xdist's `worksteal` starts each worker on a contiguous
+# part of the collection order and the idle one steals from the end of the other's, so a long test collected late
+# would run alone at the end (measured with whole files a worker, 2 workers: test_sharding 230 s of child
 # processes, test_native and test_pallas_kivi about 275 s each, test_beyond_kivi 200 s, test_evaluate_real 90-150 s,
 # test_pallas_tpu 190 s on a loaded machine)
 LONGEST_FIRST = ("test_sharding.py", "test_native.py", "test_pallas_kivi.py", "test_beyond_kivi.py",
