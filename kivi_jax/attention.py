@@ -268,11 +268,12 @@ def unpack_plane(codes: jax.Array, bits: int) -> jax.Array:
     return slabs.reshape(lead + (p * width,)).astype(jnp.float32)
 
 
-def quantized_scores(q: jax.Array, store) -> jax.Array:
+def quantized_scores(q: jax.Array, store, int8_dots: bool = False) -> jax.Array:
     """q `[batch, kv_heads, n_rep, head_dim]` against the keys of a store block -> `[batch, kv_heads, n_rep, tokens]`.
 
     Per-channel keys fold their scale into q (one scaled q per token group); per-token keys scale the partial dots
-    of each channel group.
+    of each channel group. `int8_dots` (per-channel 2-bit uniform keys, the native kernel's integer mode): each
+    folded q is rounded to int8 codes `rint(qs * 127 / max|qs|)` and the dot scaled back by `max|qs| / 127`.
     """
     codes = unpack_codes(store)  # [batch, kv_heads, tokens, head_dim]
     batch, kv_heads, tokens, head_dim = codes.shape
@@ -281,7 +282,12 @@ def quantized_scores(q: jax.Array, store) -> jax.Array:
     if store.axis == "channel":  # scale, mn [batch, kv_heads, tokens // G, head_dim]
         q_scaled = q[:, :, :, None, :] * scale[:, :, None]  # [batch, kv_heads, n_rep, groups, head_dim]
         grouped = codes.reshape(batch, kv_heads, tokens // g, g, head_dim)
-        scores = jnp.einsum("bhgtd,bhrgd->bhrgt", grouped, q_scaled)
+        if int8_dots and int8_store(store):
+            amax = jnp.max(jnp.abs(q_scaled), axis=-1, keepdims=True)  # [batch, kv_heads, n_rep, groups, 1]
+            q8 = jnp.round(q_scaled * jnp.where(amax > 0, 127.0 / amax, 0.0))
+            scores = jnp.einsum("bhgtd,bhrgd->bhrgt", grouped, q8) * (amax / 127.0)
+        else:
+            scores = jnp.einsum("bhgtd,bhrgd->bhrgt", grouped, q_scaled)
         scores = scores + jnp.einsum("bhrd,bhgd->bhrg", q, mn)[..., None]  # the mins' part, per group
         return scores.reshape(q.shape[:3] + (tokens,))
     # per-token: scale, mn [batch, kv_heads, tokens, head_dim // G]
@@ -293,11 +299,18 @@ def quantized_scores(q: jax.Array, store) -> jax.Array:
     return scores
 
 
-def quantized_values(p: jax.Array, store) -> jax.Array:
+def int8_store(store) -> bool:
+    """Whether the native kernel's integer mode (`int8_dots`) dots this store in integers: 2-bit uniform codes."""
+    return store.bits == 2 and store.levels is None
+
+
+def quantized_values(p: jax.Array, store, int8_chunk: int = 0) -> jax.Array:
     """Probabilities `[batch, kv_heads, n_rep, tokens]` times a store block's values -> `[..., n_rep, head_dim]`.
 
     Per-token values fold their scale into p (one scaled p per channel group); per-channel values scale the partial
-    sums of each token group.
+    sums of each token group. `int8_chunk` (per-token 2-bit uniform values, the native kernel's integer mode): the
+    scaled p of each run of that many tokens are rounded to 8-bit codes `rint(w * 255 / max w)` and the sums scaled
+    back by `max w / 255`.
     """
     codes = unpack_codes(store)  # [batch, kv_heads, tokens, head_dim]
     batch, kv_heads, tokens, head_dim = codes.shape
@@ -306,7 +319,9 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
     if store.axis == "token":  # scale, mn [batch, kv_heads, tokens, head_dim // G]
         mins = jnp.repeat(jnp.einsum("bhrt,bhtg->bhrg", p, mn), g, axis=-1)  # [batch, kv_heads, n_rep, head_dim]
         pieces = [
-            jnp.einsum("bhrt,bhtj->bhrj", p * scale[:, :, None, :, i], codes[..., i * g : (i + 1) * g])
+            jnp.einsum("bhrt,bhtj->bhrj", weights_8bit(p * scale[:, :, None, :, i], int8_chunk)
+                       if int8_chunk and int8_store(store) else p * scale[:, :, None, :, i],
+                       codes[..., i * g : (i + 1) * g])
             for i in range(head_dim // g)
         ]
         return jnp.concatenate(pieces, axis=-1) + mins
@@ -315,6 +330,14 @@ def quantized_values(p: jax.Array, store) -> jax.Array:
     acc = jnp.einsum("bhrg,bhgd->bhrd", pg.sum(-1), mn)
     sums = jnp.einsum("bhrgt,bhgtd->bhrgd", pg, codes.reshape(batch, kv_heads, tokens // g, g, head_dim))
     return acc + jnp.einsum("bhrgd,bhgd->bhrd", sums, scale)
+
+
+def weights_8bit(w: jax.Array, chunk: int) -> jax.Array:
+    """Non-negative weights `[..., tokens]` rounded to 8 bits per run of `chunk` tokens (scaled back)."""
+    runs = w.reshape(w.shape[:-1] + (w.shape[-1] // chunk, chunk))
+    wmax = jnp.max(runs, axis=-1, keepdims=True)
+    codes = jnp.round(runs * jnp.where(wmax > 0, 255.0 / wmax, 0.0))
+    return (codes * (wmax / 255.0)).reshape(w.shape)
 
 
 def dequantized(store) -> jax.Array:
@@ -373,7 +396,8 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
 
 
 def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
-                    block: int = BLOCK_TOKENS, sinks=None, inv_freq=None, softcap: float | None = None) -> jax.Array:
+                    block: int = BLOCK_TOKENS, sinks=None, inv_freq=None, softcap: float | None = None,
+                    int8_dots: bool = False) -> jax.Array:
     """New tokens over one layer of a KIVI cache (docs/design.md §3, §7), blockwise with an online softmax.
 
     Four segments: the sink tokens (full precision, with `sinks`); tokens whose key and value are both quantized
@@ -383,7 +407,9 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     `sinks = (k_sink, v_sink)` `[batch, kv_heads, S, head_dim]` of that layer. `inv_freq [head_dim // 2]`: the cache
     holds keys before RoPE (stores, ring, sinks), rotated here by their positions. q `[batch, T, q_heads, head_dim]`
     at `positions [batch, T]`; k_new (after RoPE), v_new `[batch, T, kv_heads, head_dim]`, the first `num_new
-    [batch]` real; scores soft-capped by `softcap` (None: not). Returns `[batch, T, q_heads, head_dim]` in q's dtype.
+    [batch]` real; scores soft-capped by `softcap` (None: not); `int8_dots`: the quantized tokens dotted as the
+    native kernel's integer mode does (`quantized_scores`, `quantized_values` with the key group as the chunk).
+    Returns `[batch, T, q_heads, head_dim]` in q's dtype.
     """
     kv_heads, num_tokens = k_store.codes.shape[-3], k_store.codes.shape[-2]
     residual = k_ring.shape[2]
@@ -401,10 +427,11 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
         pos = start + jnp.arange(block)
         valid = stored_mask(pos, jnp.maximum(first_new, num_sinks), main_end, rows, window)
         if inv_freq is None:
-            scores = quantized_scores(rows.q, kb)
+            scores = quantized_scores(rows.q, kb, int8_dots)
         else:
             scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, rotated(dequantized(kb), pos[None, :], inv_freq))
-        return state.update(masked(scores, valid, softcap), lambda p: quantized_values(p, vb))
+        int8_chunk = k_store.group_size if int8_dots else 0
+        return state.update(masked(scores, valid, softcap), lambda p: quantized_values(p, vb, int8_chunk))
 
     state = blockwise(state, num_tokens, block, main_end, step)
 
@@ -422,12 +449,12 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
 
 def decode_kivi_xla(
     q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, block: int = BLOCK_TOKENS, sinks=None,
-    inv_freq=None, softcap: float | None = None,
+    inv_freq=None, softcap: float | None = None, int8_dots: bool = False,
 ) -> jax.Array:
     """One new token a sequence (at position `length`) over one layer of a KIVI cache: `attend_kivi_xla` with T = 1,
     the decode kernels' twin. Rings and sinks `[batch, kv_heads, R or S, head_dim]` of that layer."""
     return attend_kivi_xla(q, length[:, None], k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
-                           jnp.ones_like(length), window, block, sinks, inv_freq, softcap)
+                           jnp.ones_like(length), window, block, sinks, inv_freq, softcap, int8_dots)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -479,23 +506,24 @@ def kivi_kernels(target: str) -> list:
 
 
 def use_native(impl: str, full: bool = False) -> bool:
-    """`native` forces the C++ CPU kernels; `auto` takes them on the CPU backend when they built (for the
-    full-precision cache only if it beats the XLA path: `native.FULL_AUTO`). False when they cannot be built (the
-    loader has warned once, saying why)."""
+    """`native` forces the C++ CPU kernels (`native-int8` too, with the KIVI kernel's integer mode); `auto` takes them
+    on the CPU backend when they built (for the full-precision cache only if it beats the XLA path:
+    `native.FULL_AUTO`). False when they cannot be built (the loader has warned once, saying why)."""
     from kivi_jax import native
 
     if impl == "auto" and (jax.default_backend() != "cpu" or (full and not native.FULL_AUTO)):
         return False
-    return impl in ("auto", "native") and native.available()
+    return impl in ("auto", "native", "native-int8") and native.available()
 
 
+INT8_REASON = "this build of the native kernel has no integer mode (it needs AVX-512 BW and VBMI): it computes in float32"
 CODEBOOK_REASON = "the Pallas kernels read uniform codes, not codebook levels (-nuqk/-nuqv): the XLA path serves them"
 SOFTCAP_REASON = "no kernel soft-caps attention logits (Gemma 2)"
 
 
 def fall_back(impl: str, reason: str) -> None:
     """The kernel cannot serve this cache: say so when the caller forced a kernel (`auto` falls back quietly)."""
-    if impl in ("pallas", "native"):
+    if impl in ("pallas", "native", "native-int8"):
         warnings.warn(f"attention_impl={impl!r}: {reason}; using the XLA path", stacklevel=3)
 
 
@@ -567,7 +595,8 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     `layer=None`); `inv_freq` marks a pre-RoPE cache. The Pallas kernel of the backend (`pallas_target`: TPU, Mosaic
     GPU or Triton) reads them and the stores in place and masks the sliding window. Configurations it does not serve
     (`unsupported`: the axis ablations, 8-bit codes, other group sizes or head dims; codebooks), and soft-capped logits,
-    run the XLA path; every kernel reads sinks and pre-RoPE keys, the native one codebooks too.
+    run the XLA path; every kernel reads sinks and pre-RoPE keys, the native one codebooks too. `native-int8`: the
+    native kernel dots 2-bit keys and values in integers (`native.decode_kivi(..., int8_dots=True)`).
     """
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
@@ -593,9 +622,13 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
 
         reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2],
                                          sinks)
+        int8_dots = impl == "native-int8"
+        if int8_dots and not native.int8_dots():
+            warnings.warn(f"attention_impl={impl!r}: {INT8_REASON}", stacklevel=2)
+            int8_dots = False
         if reason is None:
             return native.decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window,
-                                      sinks, inv_freq)
+                                      sinks, inv_freq, int8_dots=int8_dots)
         fall_back(impl, reason)
     k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
     return decode_kivi_xla(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=sinks,

@@ -12,7 +12,7 @@ from kivi_jax import sharding
 from kivi_jax.models.protocol import PAST_CAPACITY
 
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "native")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "native", "native-int8")  # native-int8: the integer mode of the KIVI kernel
 
 
 def check_impl(impl: str) -> str:

@@ -218,7 +218,8 @@ def add_impl_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
                    help="decode attention: Pallas kernel on GPU, C++ kernel on CPU (auto), the XLA path, or forced "
-                        "(pallas on CPU runs in interpret mode, slowly)")
+                        "(pallas on CPU runs in interpret mode, slowly); native-int8: the C++ kernel dots 2-bit keys "
+                        "and values in integers (AVX-512 VBMI; faster, rounding measured in docs/benchmarks.md)")
 
 
 def weights_name(text: str) -> str:

@@ -485,7 +485,7 @@ def generate(model, prompt, **kwargs) -> Generation:
     either. Keywords: `max_new_tokens`, `chat` (apply the tokenizer's chat template), `temperature` (0 = greedy),
     `top_k`, `top_p`, `seed` (an integer in [0, 2**32); None draws a fresh random seed, reported as
     `Generation.seed`), `cache` ('full', the default, 'kivi2', 'kivi4', a spec like 'k4v2-g64-r128', or a KIVIConfig),
-    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas' | 'native'), `stop_at_eos`,
+    `max_length` (cache tokens), `attention_impl` ('auto' | 'xla' | 'pallas' | 'native' | 'native-int8'), `stop_at_eos`,
     `prefill_chunk` (prompt tokens a prefill call takes; longer prompts go in chunks of that shape; None: at once),
     `mesh` (a jax.sharding.Mesh or 'data=2,model=4': params and cache sharded over devices, see kivi_jax.sharding).
     """

@@ -1,5 +1,6 @@
 """The decode attention alone on the CPU: bytes it must read over its time, against a memory-stream rate measured on
-the same machine, for the native kernels (KIVI and full precision) and the XLA path.
+the same machine, for the native kernels (KIVI, in float and integer mode where the build has it, and full
+precision) and the XLA path.
 
     PYTHONPATH=. python scripts/bench_native_attention.py [--contexts 8192,16384] [--batch 8] [--json out.json]
 
@@ -89,6 +90,10 @@ def main() -> None:
                 "kivi2_native": (jax.jit(lambda q: native.decode_kivi(q, ks, vs, None, kr, vr, length, k_new, v_new, None)),
                                  kivi_decode.bytes_read(batch, kv, ctx, d, kivi.k_bits, kivi.v_bits, kivi.group_size,
                                                         kivi.residual_length, 4)),
+                "kivi2_native_int8": (jax.jit(lambda q: native.decode_kivi(q, ks, vs, None, kr, vr, length, k_new,
+                                                                       v_new, None, int8_dots=native.int8_dots())),
+                                      kivi_decode.bytes_read(batch, kv, ctx, d, kivi.k_bits, kivi.v_bits,
+                                                             kivi.group_size, kivi.residual_length, 4)),
                 "kivi2_xla": (jax.jit(lambda q: attention.decode_kivi_xla(q, ks, vs, None, kr, vr, length, k_new, v_new,
                                                                           None)),
                               kivi_decode.bytes_read(batch, kv, ctx, d, kivi.k_bits, kivi.v_bits, kivi.group_size,
@@ -104,7 +109,7 @@ def main() -> None:
                        "gbps": nbytes / (ms / 1e3) / 1e9}
                 row["of_stream_read_2t"] = row["gbps"] / result["stream"]["read_2t_gbps"]
                 result["rows"].append(row)
-                print(f"{name:>12s} ctx {ctx:6d} batch {batch:2d}: {ms:8.2f} ms, {nbytes / 2**20:8.1f} MiB, "
+                print(f"{name:>17s} ctx {ctx:6d} batch {batch:2d}: {ms:8.2f} ms, {nbytes / 2**20:8.1f} MiB, "
                       f"{row['gbps']:6.2f} GB/s ({100 * row['of_stream_read_2t']:.0f}% of the 2-thread read stream)",
                       flush=True)
             del kc, fc

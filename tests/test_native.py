@@ -44,9 +44,9 @@ def compiled(fn, *args):
     return jax.jit(fn).lower(*args).compile(FAST)
 
 
-def native_and_twins(cache, q, k_new, v_new, layer, window, with_reference=False):
+def native_and_twins(cache, q, k_new, v_new, layer, window, with_reference=False, int8_dots=False):
     """(native kernel, XLA path[, Pallas twin]) as float32 numpy arrays, one compilation; `layer=None` passes arrays
-    holding layer 0 only."""
+    holding layer 0 only; `int8_dots` for the kernel and the XLA path."""
     kv = cache.config
     if layer is None:
         cut = lambda s: s.replace(codes=s.codes[0], scale=s.scale[0], mn=s.mn[0])
@@ -54,9 +54,11 @@ def native_and_twins(cache, q, k_new, v_new, layer, window, with_reference=False
 
     def run(cache, q, k_new, v_new, layer):
         c = cache
-        out = native.decode_kivi(q, c.k, c.v, layer, c.k_ring, c.v_ring, c.length, k_new, v_new, window)
+        out = native.decode_kivi(q, c.k, c.v, layer, c.k_ring, c.v_ring, c.length, k_new, v_new, window,
+                                 int8_dots=int8_dots)
         rings = (c.k_ring, c.v_ring) if layer is None else (c.k_ring[layer], c.v_ring[layer])
-        xla = attention.decode_kivi_xla(q, c.k, c.v, layer, *rings, c.length, k_new, v_new, window)
+        xla = attention.decode_kivi_xla(q, c.k, c.v, layer, *rings, c.length, k_new, v_new, window,
+                                        int8_dots=int8_dots)
         if not with_reference:
             return out, xla
         twin = kivi_decode.reference(q, c.k.codes, c.k.scale, c.k.mn, c.v.codes, c.v.scale, c.v.mn, c.k_ring,
@@ -99,6 +101,36 @@ def test_kivi_kernel_equals_the_xla_path_for_every_shipped_combination(case):
     if twin:
         assert np.abs(out - twin[0]).max() <= TOL
     assert np.abs(xla).max() > 0.1  # a real output, not zeros on both sides
+
+
+Q8_SHIPPED = [(kb, vb, g, d) for kb, vb, g, d in SHIPPED if 2 in (kb, vb)]
+
+
+@pytest.mark.parametrize("case", range(len(Q8_SHIPPED)), ids=[f"k{kb}v{vb}-g{g}-d{d}" for kb, vb, g, d in Q8_SHIPPED])
+def test_int8_dots_equal_their_xla_twin(case):
+    """The integer mode (2-bit keys against an int8 query, 2-bit values with 8-bit weights): the kernel equals
+    `decode_kivi_xla(..., int8_dots=True)` at every shipped combination with a 2-bit side, ragged lengths, windows
+    into the quantized tokens; the rounding moves the output more than float error, less than a tenth of its range
+    (the cost in quality is measured through the model, docs/benchmarks.md)."""
+    if not native.int8_dots():
+        pytest.skip("this build has no integer mode (it needs AVX-512 BW and VBMI)")
+    k_bits, v_bits, g, head_dim = Q8_SHIPPED[case]
+    batch, kv_heads, n_rep, blocks, lengths = SHAPES[case % len(SHAPES)]
+    residual = max(g, 64)
+    max_tokens = blocks * residual
+    cache = random_cache(KIVIConfig(k_bits, v_bits, g, residual), batch, kv_heads, head_dim, max_tokens,
+                         lengths(residual, max_tokens), jnp.float32, seed=case)
+    q, k_new, v_new = random_step(batch, kv_heads * n_rep, kv_heads, head_dim, jnp.float32, seed=100 + case)
+    layer = (0, 1, None)[case % 3]
+    window = (None, 2 * residual - 3, g + 5)[case % 3]
+    out, xla = native_and_twins(cache, q, k_new, v_new, layer, window, int8_dots=True)
+    exact, _ = native_and_twins(cache, q, k_new, v_new, layer, window)
+    assert np.abs(out - xla).max() <= TOL
+    quantized = np.asarray(cache.length) > residual  # rows with quantized tokens: the rounding shows there
+    if quantized.any():
+        moved = np.abs(out - exact)[quantized].max()
+        assert 10 * TOL < moved < 0.1 * np.abs(exact).max()
+    assert np.abs(xla).max() > 0.1
 
 
 @pytest.mark.parametrize("window, kivi", [(150, KIVIConfig(2, 4, 32, 64)), (50, KIVIConfig(4, 2, 64, 128)),
@@ -203,6 +235,35 @@ def test_generate_with_native_gives_the_xla_greedy_tokens(name, monkeypatch):
         assert out == xla
         assert len(set(xla[0])) > 5  # not a degenerate repetition
     assert "kivi" in calls and "full" in calls  # both kernels were traced into the decode steps
+
+
+def test_native_int8_runs_the_integer_mode_through_the_model(monkeypatch):
+    """`attention_impl="native-int8"` asks the KIVI kernel for its integer mode in every decode step; a build without
+    it says so once a trace and gives the float kernel's tokens exactly."""
+    flags = []
+    real_kivi = native.decode_kivi
+    monkeypatch.setattr(native, "decode_kivi",
+                        lambda *a, **k: flags.append(k.get("int8_dots")) or real_kivi(*a, **k))
+    params = init_params(HEAD64["llama_gqa64"], jax.random.PRNGKey(1), std=0.2)
+    prompts = [np.random.RandomState(3).randint(3, 128, n).tolist() for n in (7, 70)]
+    kw = dict(max_new_tokens=40, cache="k2v2-g32-r32", stop_at_eos=False)
+    float_tokens = kivi_jax.generate(params, prompts, attention_impl="native", **kw).token_ids
+    assert flags and not any(flags)
+    flags.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the integer mode is served, not fallen back from
+        int8_tokens = kivi_jax.generate(params, prompts, attention_impl="native-int8", **kw).token_ids
+    assert flags and all(flags) == native.int8_dots()
+    assert [len(t) for t in int8_tokens] == [len(t) for t in float_tokens]
+    flags.clear()
+    monkeypatch.setattr(native, "int8_dots", lambda: False)
+    jax.clear_caches()  # trace the decode step again, under the build without the integer mode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = kivi_jax.generate(params, prompts, attention_impl="native-int8", **kw).token_ids
+    assert flags and not any(flags)
+    assert fallback == float_tokens
+    assert any("no integer mode" in str(w.message) for w in caught)
 
 
 def test_tiny_models_with_other_head_dims_fall_back_to_the_xla_tokens(tiny_dirs):

@@ -6,8 +6,8 @@ have the contract of `kivi_jax.attention.decode_kivi_xla` / `decode_full_xla` (f
 """
 
 from kivi_jax.native.build import NativeBuildError, available, error, load, reset
-from kivi_jax.native.decode import (FULL_AUTO, decode_eight, decode_full, decode_kivi, unsupported_eight,
-                                    unsupported_full, unsupported_kivi)
+from kivi_jax.native.decode import (FULL_AUTO, decode_eight, decode_full, decode_kivi, int8_dots,
+                                    unsupported_eight, unsupported_full, unsupported_kivi)
 
 __all__ = ["FULL_AUTO", "NativeBuildError", "available", "error", "load", "reset", "decode_eight", "decode_full",
-           "decode_kivi", "unsupported_eight", "unsupported_full", "unsupported_kivi"]
+           "decode_kivi", "int8_dots", "unsupported_eight", "unsupported_full", "unsupported_kivi"]

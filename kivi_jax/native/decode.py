@@ -67,15 +67,25 @@ def _window(window) -> int:
     return 0 if window is None else int(window)
 
 
+def int8_dots() -> bool:
+    """Whether the built kernel dots 2-bit keys and values in integers when `decode_kivi(..., int8_dots=True)` asks
+    (AVX-512 BW and VBMI; elsewhere it computes in float32 as without the flag)."""
+    lib = build.load()
+    return lib is not None and bool(lib.kivi_jax_int8_dots())
+
+
 def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, window, sinks=None,
-                inv_freq=None) -> jax.Array:
+                inv_freq=None, int8_dots: bool = False) -> jax.Array:
     """Decode attention over one layer of a KIVI cache with the native kernel.
 
     q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size), rings and
     `sinks = (k_sink, v_sink)` (None: no sinks) `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or
     one layer each with `layer=None`; length `[batch]`; k_new (after RoPE), v_new `[batch, 1, kv_heads, head_dim]`
     at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring, sinks); a
-    store's `levels` (codebook) go along as an operand.
+    store's `levels` (codebook) go along as an operand. `int8_dots`, where `int8_dots()`: 2-bit uniform keys after RoPE
+    are scored with the folded query rounded to int8 per row and key group, 2-bit uniform values summed with the
+    weights rounded to 8 bits per row, key group and value group (the twin: `attention.decode_kivi_xla(...,
+    int8_dots=True)`).
     Returns q's shape, float32.
     """
     if build.load() is None:
@@ -96,7 +106,7 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
         k_sink, v_sink, freqs.reshape(head_dim // 2), *levels,
         k_bits=int(k_store.bits), v_bits=int(v_store.bits), k_group=int(k_store.group_size),
         v_group=int(v_store.group_size), window=_window(window), rope=int(inv_freq is not None),
-        k_codebook=len(k_store.levels or ()), v_codebook=len(v_store.levels or ()),
+        k_codebook=len(k_store.levels or ()), v_codebook=len(v_store.levels or ()), int8_dots=int(int8_dots),
     )
 
 

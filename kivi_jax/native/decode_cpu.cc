@@ -17,7 +17,7 @@
 namespace {
 
 constexpr int MAX_ROWS = 4;    // query rows a work item holds (n_rep is split into blocks of at most this)
-constexpr int MAX_CHUNK = 128;  // tokens scored at once (one key group; ring and full-precision chunks)
+constexpr int MAX_CHUNK = 128;  // tokens scored at once (whole key groups; ring and full-precision chunks)
 
 
 
@@ -98,6 +98,7 @@ struct KiviArgs {
   const float* rope;  // pre-RoPE keys: [tokens, D] per position, cos of the D/2 angles then their sin; else null
   const float *k_levels, *v_levels;  // non-uniform codes: the level code c stands for (codebook), else null
   int k_nlevels, v_nlevels;
+  int q8 = 0;  // 2-bit dots in integers where the CPU can (`Q8`): `key_scores_q8`, `value_sums_q8`
   const int32_t* length;
   int64_t splits;
 
@@ -231,6 +232,215 @@ inline void rotate_row(vf* x, const float* cs) {
   }
 }
 
+// Integer dots (`KiviArgs::q8`): AVX-512 BW and VBMI (VNNI when the CPU has it, else VPMADDUBSW + VPMADDWD).
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define KIVI_Q8 1
+constexpr bool Q8 = true;
+
+// The key scores of n tokens of one key group (2-bit rows of D channels from `rows`, n <= MAX_CHUNK) for NR query
+// rows, written at `off` in each row of `scores`, with the query quantized to int8 (llama.cpp's approach for its
+// quantized caches): per row and group the folded query qs = q * scale becomes q8 = rint(qs * 127 / max|qs|), and
+// score = max|qs| / 127 * Σ_c q8_c code_c + Σ_c q_c min_c, the integer dot by VPDPBUSD (VPMADDUBSW + VPMADDWD
+// without VNNI). The twin is `attention.quantized_scores(..., int8_dots=True)`.
+//
+// A row's D / 4 bytes hold channel j + s * D / 4 in bits 2s of byte j (slab s), so a 64-byte load of 64 / (D / 4)
+// consecutive rows gives, shifted by 2s and masked, slab s's codes of each token in its own D / 4-byte lane: one
+// dot with the slab's q8 (repeated in every lane) adds 4 channels a 32-bit lane; 16 tokens' lanes are then summed
+// into one vector of 16 scores in token order.
+template <int NR, int D>
+void key_scores_q8(const float (*q)[D], const float* kscale, const float* kmin, const uint8_t* rows, int n,
+                   float (*scores)[MAX_CHUNK], int off) {
+  constexpr int RB = D / 4;     // bytes a row
+  constexpr int TPZ = 64 / RB;  // tokens a 64-byte register (4 for D = 64, 2 for D = 128)
+  constexpr int NZ = 16 / TPZ;  // registers a block of 16 tokens
+  __m512i qv[NR][4];            // per row and slab: q8 repeated in every token lane
+  float sigma[NR], bias[NR];
+  for (int r = 0; r < NR; ++r) {
+    vf qs[D / W], amax{}, bsum{};
+#pragma GCC unroll 8
+    for (int k = 0; k < D / W; ++k) {
+      const vf qk = vload(q[r] + k * W);
+      qs[k] = qk * vload(kscale + k * W);
+      const vf mag = qs[k] < 0 ? -qs[k] : qs[k];
+      amax = mag > amax ? mag : amax;
+      bsum += qk * vload(kmin + k * W);
+    }
+    const float m = hmax(amax);
+    bias[r] = hsum(bsum);
+    sigma[r] = m / 127.0f;
+    const vf inv = vsplat(m > 0 ? 127.0f / m : 0.0f);
+    alignas(64) int8_t q8[D];
+#pragma GCC unroll 8
+    for (int k = 0; k < D / W; ++k)  // rounded to nearest, ties to even (the default MXCSR), as jnp.round
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + k * W),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(qs[k] * inv))));
+#pragma GCC unroll 4
+    for (int sl = 0; sl < 4; ++sl) {
+      if constexpr (RB == 16)
+        qv[r][sl] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8 + sl * RB)));
+      else
+        qv[r][sl] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + sl * RB)));
+    }
+  }
+  const __m512i three = _mm512_set1_epi8(3);
+#if !defined(__AVX512VNNI__)
+  const __m512i ones = _mm512_set1_epi16(1);
+#endif
+  // lane e * 4 + k of the summed vector holds token 4k + e
+  const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  alignas(64) uint8_t pad[16 * RB];
+  for (int i0 = 0; i0 < n; i0 += 16) {
+    const int m = std::min(16, n - i0);
+    const uint8_t* src = rows + (int64_t)i0 * RB;
+    if (m < 16) {  // the last rows, zero-padded to 16 (never read past the group's own rows)
+      std::memset(pad, 0, sizeof(pad));
+      std::memcpy(pad, src, (size_t)m * RB);
+      src = pad;
+    }
+    __m512i acc[NR][NZ];
+#pragma GCC unroll 8
+    for (int z = 0; z < NZ; ++z) {
+      const __m512i x = _mm512_loadu_si512(src + z * 64);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[r][z] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int sl = 0; sl < 4; ++sl) {
+        const __m512i c = _mm512_and_si512(sl ? _mm512_srli_epi16(x, 2 * sl) : x, three);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+#if defined(__AVX512VNNI__)
+          acc[r][z] = _mm512_dpbusd_epi32(acc[r][z], c, qv[r][sl]);
+#else
+          acc[r][z] = _mm512_add_epi32(acc[r][z], _mm512_madd_epi16(_mm512_maddubs_epi16(c, qv[r][sl]), ones));
+#endif
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512i t4[4];  // tokens 4j .. 4j + 3, one a 128-bit lane of 4 partial sums
+      if constexpr (TPZ == 4) {
+        for (int j = 0; j < 4; ++j) t4[j] = acc[r][j];
+      } else {  // a token spans two 128-bit lanes: fold them, then two registers' tokens into one
+        __m512i y[NZ];
+        for (int z = 0; z < NZ; ++z)
+          y[z] = _mm512_add_epi32(acc[r][z], _mm512_shuffle_i32x4(acc[r][z], acc[r][z], 0xB1));
+        for (int j = 0; j < 4; ++j) t4[j] = _mm512_shuffle_i32x4(y[2 * j], y[2 * j + 1], 0x88);
+      }
+      const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi32(t4[0], t4[1]), _mm512_unpackhi_epi32(t4[0], t4[1]));
+      const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(t4[2], t4[3]), _mm512_unpackhi_epi32(t4[2], t4[3]));
+      const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(t, u), _mm512_unpackhi_epi64(t, u));
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(perm, sums));
+      _mm512_storeu_ps(scores[r] + off + i0, _mm512_fmadd_ps(dots, _mm512_set1_ps(sigma[r]), _mm512_set1_ps(bias[r])));
+    }
+  }
+}
+
+// Value sums of n tokens (2-bit rows from `rows`, n <= MAX_CHUNK) for NR rows with 8-bit weights, the tokens in runs
+// (key groups) [runs[u], runs[u + 1]) for u < n_runs: per row, value group and run the weights w = p * scale (`ps`,
+// [group][token]) become w8 = rint(w * 255 / max w), and `acc` (slab-scaled sums, as `kivi_item` keeps them) gains
+// max w / 255 * Σ_t w8_t code_t. The twin is `attention.quantized_values(..., int8_chunk=G)`.
+//
+// Four rows' bytes are transposed (VPERMB) so that each 32-bit lane holds one byte position of 4 consecutive tokens:
+// shifted by 2s and masked, one VPDPBUSD with the 4 tokens' weights (the same 4 bytes in every lane) adds 4 tokens to
+// 16 channels of slab s.
+template <int NR, int D, int NGV>
+void value_sums_q8(const float (*ps)[MAX_CHUNK * (D / 16)], const uint8_t* rows, int n, const int* runs, int n_runs,
+                   vf (*acc)[D / W], const float* vunscale) {
+  constexpr int RB = D / 4;    // bytes a row
+  constexpr int NO = RB / 16;  // transposed registers per 4 tokens (1 for D = 64, 2 for D = 128)
+  constexpr int NK = D / 16;   // 16-channel vectors, NK / NGV of them a value group
+  constexpr auto group = [](int k) { return k * NGV / NK; };
+  struct Transpose {  // output byte 4j + k of register o: token k's byte 16o + j (of 4 * RB bytes)
+    alignas(64) uint8_t idx[NO][64];
+    Transpose() {
+      for (int o = 0; o < NO; ++o)
+        for (int j = 0; j < 16; ++j)
+          for (int k = 0; k < 4; ++k) idx[o][4 * j + k] = (uint8_t)(k * RB + 16 * o + j);
+    }
+  };
+  static const Transpose transpose;
+  __m512i perm[NO];
+  for (int o = 0; o < NO; ++o) perm[o] = _mm512_load_si512(transpose.idx[o]);
+  const __m512i three = _mm512_set1_epi8(3);
+#if !defined(__AVX512VNNI__)
+  const __m512i ones = _mm512_set1_epi16(1);
+#endif
+  alignas(64) uint8_t w8[NR][NGV][MAX_CHUNK + 4];
+  alignas(64) uint8_t pad[4 * RB];
+  for (int u = 0; u < n_runs; ++u) {
+    const int u0 = runs[u], u1 = runs[u + 1];
+    float wsc[NR][NGV];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < NGV; ++j) {
+        const float* w = ps[r] + j * MAX_CHUNK;
+        __m512 mx = _mm512_setzero_ps();
+        for (int i = u0; i < u1; i += 16) {
+          const __mmask16 live = (__mmask16)((1u << std::min(16, u1 - i)) - 1);
+          mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(live, w + i));
+        }
+        const float m = _mm512_reduce_max_ps(mx);
+        wsc[r][j] = m / 255.0f;
+        const __m512 inv = _mm512_set1_ps(m > 0 ? 255.0f / m : 0.0f);
+        for (int i = u0; i < u1; i += 16) {  // rounded to nearest, ties to even, as jnp.round
+          const __mmask16 live = (__mmask16)((1u << std::min(16, u1 - i)) - 1);
+          const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, w + i), inv));
+          _mm_mask_storeu_epi8(w8[r][j] + i, live, _mm512_cvtusepi32_epi8(c));
+        }
+      }
+    __m512i sums[NR][NK];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < NK; ++k) sums[r][k] = _mm512_setzero_si512();
+    for (int i0 = u0; i0 < u1; i0 += 4) {
+      const uint8_t* src = rows + (int64_t)i0 * RB;
+      if (n - i0 < 4) {  // the chunk's last rows, zero-padded to 4 (never read past its own rows)
+        std::memset(pad, 0, sizeof(pad));
+        std::memcpy(pad, src, (size_t)(n - i0) * RB);
+        src = pad;
+      }
+      const uint32_t keep = u1 - i0 >= 4 ? 0xFFFFFFFFu : (1u << (8 * (u1 - i0))) - 1;  // this run's tokens only
+      __m512i x[NO];
+      if constexpr (NO == 1) {
+        x[0] = _mm512_permutexvar_epi8(perm[0], _mm512_loadu_si512(src));
+      } else {
+        const __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 64);
+        for (int o = 0; o < NO; ++o) x[o] = _mm512_permutex2var_epi8(lo, perm[o], hi);
+      }
+      __m512i wb[NR][NGV];
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+        for (int j = 0; j < NGV; ++j) {
+          uint32_t four;
+          std::memcpy(&four, w8[r][j] + i0, 4);
+          wb[r][j] = _mm512_set1_epi32((int)(four & keep));
+        }
+#pragma GCC unroll 4
+      for (int sl = 0; sl < 4; ++sl) {
+#pragma GCC unroll 2
+        for (int o = 0; o < NO; ++o) {
+          const __m512i c = _mm512_and_si512(sl ? _mm512_srli_epi16(x[o], 2 * sl) : x[o], three);
+          const int k = sl * NO + o;  // channels 16k .. 16k + 15
+#pragma GCC unroll 4
+          for (int r = 0; r < NR; ++r) {
+#if defined(__AVX512VNNI__)
+            sums[r][k] = _mm512_dpbusd_epi32(sums[r][k], wb[r][group(k)], c);
+#else
+            sums[r][k] = _mm512_add_epi32(sums[r][k],
+                                          _mm512_madd_epi16(_mm512_maddubs_epi16(wb[r][group(k)], c), ones));
+#endif
+          }
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < NK; ++k)  // acc is slab-scaled (undone by vunscale at the end): scale these sums up to it
+        acc[r][k] += (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][k]), _mm512_set1_ps(wsc[r][group(k)] / vunscale[k]));
+  }
+}
+#else
+constexpr bool Q8 = false;
+#endif
+
 template <int NR, int D, int KB, int VB>
 void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, float* part) {
   constexpr int RBK = row_bytes<D, KB>(), RBV = row_bytes<D, VB>();
@@ -280,65 +490,83 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   }
   for (int r = 0; r < NR; ++r)  // acc holds slab-scaled sums (codes unpacked as c * 2^(VB * slab)) until the ring
     for (int k = 0; k < D / W; ++k) st.acc[r][k] = vf{};
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    const int64_t t_begin = std::max(g * gk, lo_q), t_end = std::min((g + 1) * gk, main_end);
-    const int n = (int)(t_end - t_begin);
-    if (n <= 0) continue;
-    load_scales(a.ks, ks_off + g * D, D, a.st, kscale);
-    load_scales(a.km, ks_off + g * D, D, a.st, kmin);
-    if (a.rope) {  // pre-RoPE keys: dequantize each row, rotate it by its position, dot (no folding into q)
-      vf kse[D / W], kmn[D / W];
-      for (int k = 0; k < D / W; ++k) {
-        kse[k] = vload(kscale + k * W) * kunscale[k];
-        kmn[k] = vload(kmin + k * W);
-      }
-      for (int i0 = 0; i0 < n; i0 += W) {
-        const int m = std::min(W, n - i0);
-        for (int i = 0; i < m; ++i) {
-          const int64_t t = t_begin + i0 + i;
-          unpack_values<D, KB>(kc + t * RBK, codes, a.k_levels, a.k_nlevels);
-#pragma GCC unroll 8
-          for (int k = 0; k < D / W; ++k) codes[k] = codes[k] * kse[k] + kmn[k];
-          rotate_row<D>(codes, a.rope + t * D);
-          for (int r = 0; r < NR; ++r) {
-            vf acc = codes[0] * vload(q[r]);
-#pragma GCC unroll 8
-            for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(q[r] + k * W);
-            partial[r][i] = acc;
-          }
-        }
-        for (int r = 0; r < NR; ++r) {
-          for (int i = m; i < W; ++i) partial[r][i] = vf{};
-          vstore(scores[r] + i0, reduce_lanes(partial[r]));
-        }
-      }
-    } else {
-      for (int r = 0; r < NR; ++r) {
-        vf bsum{};
+  // Chunks of whole key groups (MAX_CHUNK tokens, fewer at the ends): the keys are scored group by group into one row
+  // of scores, then the softmax and the values run once over the chunk.
+  const int64_t gpc = std::max<int64_t>(MAX_CHUNK / gk, 1);  // key groups a chunk
+  for (int64_t g0 = g_begin; g0 < g_end; g0 += gpc) {
+    const int64_t g1 = std::min(g0 + gpc, g_end);
+    const int64_t c_begin = std::max(g0 * gk, lo_q), c_end = std::min(g1 * gk, main_end);
+    if (c_end <= c_begin) continue;
+    int runs[MAX_CHUNK / 32 + 1], n_runs = 0;  // where each key group starts in the chunk, then the chunk's end
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t_begin = std::max(g * gk, lo_q), t_end = std::min((g + 1) * gk, main_end);
+      const int n = (int)(t_end - t_begin);
+      if (n <= 0) continue;
+      const int off = (int)(t_begin - c_begin);
+      runs[n_runs++] = off;
+      load_scales(a.ks, ks_off + g * D, D, a.st, kscale);
+      load_scales(a.km, ks_off + g * D, D, a.st, kmin);
+      if (a.rope) {  // pre-RoPE keys: dequantize each row, rotate it by its position, dot (no folding into q)
+        vf kse[D / W], kmn[D / W];
         for (int k = 0; k < D / W; ++k) {
-          vf qv = vload(q[r] + k * W);
-          vstore(qs[r] + k * W, qv * vload(kscale + k * W) * kunscale[k]);
-          bsum += qv * vload(kmin + k * W);
+          kse[k] = vload(kscale + k * W) * kunscale[k];
+          kmn[k] = vload(kmin + k * W);
         }
-        bias[r] = hsum(bsum);
-      }
-      for (int i0 = 0; i0 < n; i0 += W) {
-        const int m = std::min(W, n - i0);
-        for (int i = 0; i < m; ++i) {
-          unpack_values<D, KB>(kc + (t_begin + i0 + i) * RBK, codes, a.k_levels, a.k_nlevels);
-          for (int r = 0; r < NR; ++r) {
-            vf acc = codes[0] * vload(qs[r]);
+        for (int i0 = 0; i0 < n; i0 += W) {
+          const int m = std::min(W, n - i0);
+          for (int i = 0; i < m; ++i) {
+            const int64_t t = t_begin + i0 + i;
+            unpack_values<D, KB>(kc + t * RBK, codes, a.k_levels, a.k_nlevels);
 #pragma GCC unroll 8
-            for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
-            partial[r][i] = acc;
+            for (int k = 0; k < D / W; ++k) codes[k] = codes[k] * kse[k] + kmn[k];
+            rotate_row<D>(codes, a.rope + t * D);
+            for (int r = 0; r < NR; ++r) {
+              vf acc = codes[0] * vload(q[r]);
+#pragma GCC unroll 8
+              for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(q[r] + k * W);
+              partial[r][i] = acc;
+            }
+          }
+          for (int r = 0; r < NR; ++r) {
+            for (int i = m; i < W; ++i) partial[r][i] = vf{};
+            vstore(scores[r] + off + i0, reduce_lanes(partial[r]));
           }
         }
+      } else if (Q8 && KB == 2 && a.q8 && !a.k_levels) {
+#if defined(KIVI_Q8)
+        key_scores_q8<NR, D>(q, kscale, kmin, kc + t_begin * RBK, n, scores, off);
+#endif
+      } else {
         for (int r = 0; r < NR; ++r) {
-          for (int i = m; i < W; ++i) partial[r][i] = vf{};
-          vstore(scores[r] + i0, reduce_lanes(partial[r]) + bias[r]);
+          vf bsum{};
+          for (int k = 0; k < D / W; ++k) {
+            vf qv = vload(q[r] + k * W);
+            vstore(qs[r] + k * W, qv * vload(kscale + k * W) * kunscale[k]);
+            bsum += qv * vload(kmin + k * W);
+          }
+          bias[r] = hsum(bsum);
+        }
+        for (int i0 = 0; i0 < n; i0 += W) {
+          const int m = std::min(W, n - i0);
+          for (int i = 0; i < m; ++i) {
+            unpack_values<D, KB>(kc + (t_begin + i0 + i) * RBK, codes, a.k_levels, a.k_nlevels);
+            for (int r = 0; r < NR; ++r) {
+              vf acc = codes[0] * vload(qs[r]);
+#pragma GCC unroll 8
+              for (int k = 1; k < D / W; ++k) acc += codes[k] * vload(qs[r] + k * W);
+              partial[r][i] = acc;
+            }
+          }
+          for (int r = 0; r < NR; ++r) {
+            for (int i = m; i < W; ++i) partial[r][i] = vf{};
+            vstore(scores[r] + off + i0, reduce_lanes(partial[r]) + bias[r]);
+          }
         }
       }
     }
+    runs[n_runs] = (int)(c_end - c_begin);
+    const int64_t t_begin = c_begin;
+    const int n = (int)(c_end - c_begin);
     st.update(scores, p, n);
     load_scales(a.vs, vs_off + t_begin * ngv, n * ngv, a.st, vsc);
     load_scales(a.vm, vs_off + t_begin * ngv, n * ngv, a.st, vmn);
@@ -363,12 +591,22 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         }
         mins[r][j] = hsum(msum);
       }
-    for (int i = 0; i < n; ++i) {
-      unpack_values<D, VB>(vc + (t_begin + i) * RBV, codes, a.v_levels, a.v_nlevels);
-      for (int r = 0; r < NR; ++r) {
-        const float* pr = ps[r] + i;
+    if (Q8 && VB == 2 && a.q8 && !a.v_levels) {
+#if defined(KIVI_Q8)
+      if (ngv == 1) value_sums_q8<NR, D, 1>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
+      else if (ngv == 2) value_sums_q8<NR, D, 2>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
+      else if (ngv == 4) value_sums_q8<NR, D, 4>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
+      else  // 16-channel groups
+        value_sums_q8<NR, D, D / 16>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
+#endif
+    } else {
+      for (int i = 0; i < n; ++i) {
+        unpack_values<D, VB>(vc + (t_begin + i) * RBV, codes, a.v_levels, a.v_nlevels);
+        for (int r = 0; r < NR; ++r) {
+          const float* pr = ps[r] + i;
 #pragma GCC unroll 8
-        for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * pr[vgroup[k] * MAX_CHUNK];
+          for (int k = 0; k < D / W; ++k) st.acc[r][k] += codes[k] * pr[vgroup[k] * MAX_CHUNK];
+        }
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -771,7 +1009,8 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::F32> k_sink, ffi::Buffer<ffi::F32> v_sink, ffi::Buffer<ffi::F32> inv_freq,
                           ffi::Buffer<ffi::F32> k_levels, ffi::Buffer<ffi::F32> v_levels,
                           ffi::ResultBuffer<ffi::F32> out, int64_t k_bits, int64_t v_bits, int64_t k_group,
-                          int64_t v_group, int64_t window, int64_t rope, int64_t k_codebook, int64_t v_codebook) {
+                          int64_t v_group, int64_t window, int64_t rope, int64_t k_codebook, int64_t v_codebook,
+                          int64_t int8_dots) {
   auto qd = q.dimensions(), kcd = kc.dimensions(), krd = kr.dimensions(), skd = k_sink.dimensions();
   if (qd.size() != 4 || kcd.size() != 5 || krd.size() != 5 || skd.size() != 5)
     return ffi::Error::InvalidArgument("kivi_decode: q must be [B, 1, Hq, D], stores, rings, sinks [L, B, H, ., .]");
@@ -831,6 +1070,7 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.v_levels = v_codebook ? v_levels.typed_data() : nullptr;
   a.k_nlevels = (int)k_codebook;
   a.v_nlevels = (int)v_codebook;
+  a.q8 = (int)int8_dots;
   std::vector<float> qs = scaled_queries(q.typed_data(), a.B * a.H * a.n_rep * a.D, a.D);
   a.q = qs.data();
 
@@ -974,7 +1214,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("rope")
                                   .Attr<int64_t>("k_codebook")    // levels in the key codebook (0: uniform codes)
-                                  .Attr<int64_t>("v_codebook"));
+                                  .Attr<int64_t>("v_codebook")
+                                  .Attr<int64_t>("int8_dots"));  // 1: 2-bit keys and values dotted in integers (`Q8`)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxFullDecode, FullDecodeImpl,
                               ffi::Ffi::Bind()
@@ -988,3 +1229,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxFullDecode, FullDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new value
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [B, 1, Hq, D]
                                   .Attr<int64_t>("window"));
+
+// Whether this build dots 2-bit keys and values in integers when asked (`int8_dots`; else it computes in float32).
+extern "C" int kivi_jax_int8_dots() { return Q8 ? 1 : 0; }
