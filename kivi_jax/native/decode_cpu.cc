@@ -497,7 +497,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     const int64_t g1 = std::min(g0 + gpc, g_end);
     const int64_t c_begin = std::max(g0 * gk, lo_q), c_end = std::min(g1 * gk, main_end);
     if (c_end <= c_begin) continue;
-    int runs[MAX_CHUNK / 32 + 1], n_runs = 0;  // where each key group starts in the chunk, then the chunk's end
+    int runs[MAX_CHUNK / 32 + 1], n_runs = 0;  // each key group's start in the chunk (G >= 32), then the end
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t_begin = std::max(g * gk, lo_q), t_end = std::min((g + 1) * gk, main_end);
       const int n = (int)(t_end - t_begin);
@@ -1034,7 +1034,7 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   else if (et == ffi::DataType::BF16) a.st = BF16;
   else if (et == ffi::DataType::F32) a.st = F32;
   else return ffi::Error::InvalidArgument("kivi_decode: scales must be float16, bfloat16 or float32");
-  if (a.gk <= 0 || a.gk > MAX_CHUNK || a.T % a.gk || a.R % a.gk || a.gv < W || a.gv % W || a.D % a.gv)
+  if (a.gk < 32 || a.gk > MAX_CHUNK || a.T % a.gk || a.R % a.gk || a.gv < W || a.gv % W || a.D % a.gv)
     return ffi::Error::InvalidArgument("kivi_decode: unsupported group sizes");
   KiviFn probe = kivi_kernel(MAX_ROWS, a.D, a.kbits, a.vbits);
   if (!probe) return ffi::Error::InvalidArgument("kivi_decode: unsupported head_dim or bits");
