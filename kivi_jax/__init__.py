@@ -21,7 +21,8 @@ from kivi_jax.chat import Chat, ConversationFullError
 from kivi_jax.checkpoint import CheckpointError, convert, restore, save
 from kivi_jax.cache8 import Dense8Cache
 from kivi_jax.config import Dense8Config, KIVIConfig, parse_cache_spec
-from kivi_jax.generate import Generation, Model, Sampling, generate, stream
+from kivi_jax.generate import Generation, Model, generate, stream
+from kivi_jax.sampling import Sampling
 from kivi_jax.hub import MODELS, ModelNotAvailableError
 from kivi_jax.models.config import LlamaConfig, ModelConfig, UnsupportedModelError
 from kivi_jax.models.decoder import Params, forward

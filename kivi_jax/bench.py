@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import rotation, sharding
+from kivi_jax import rotation, runtime, sharding
 from kivi_jax import weights as weight_formats
 from kivi_jax.cache import cache_bytes, make_cache, tree_bytes
-from kivi_jax.config import allocation_multiple, parse_cache_spec, spec_name
+from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.config import ModelConfig
-from kivi_jax.models.decoder import Params, cast_params, forward, init_params
+from kivi_jax.models.decoder import Params, cast_params, init_params
 
 
 def random_cache(spec, cfg, batch: int, max_tokens: int, length: int, dtype=jnp.float32, impl: str = "auto",
@@ -47,7 +47,7 @@ def random_cache(spec, cfg, batch: int, max_tokens: int, length: int, dtype=jnp.
 
 def decode_step_fn():
     """The jit-compiled decode step with the cache donated (what generation runs per token)."""
-    return jax.jit(lambda params, tokens, cache: forward(params, tokens, cache), donate_argnums=(2,))
+    return jax.jit(runtime.decode_logits, donate_argnums=(2,))
 
 
 def time_decode(params: Params, cache, repeats: int = 10, warmup: int = 2, mesh=None) -> dict:
@@ -63,9 +63,9 @@ def time_decode(params: Params, cache, repeats: int = 10, warmup: int = 2, mesh=
 def _time_decode(params: Params, cache, repeats: int, warmup: int, mesh) -> dict:
     step = decode_step_fn()
     batch = cache.length.shape[0]
-    tokens = jnp.ones((batch, 1), jnp.int32)
+    tokens = jnp.ones((batch,), jnp.int32)
     if mesh is not None:
-        params, tokens = sharding.shard_params(params, mesh), sharding.put_batch(np.ones((batch, 1), np.int32), mesh)
+        params, tokens = sharding.shard_params(params, mesh), sharding.put_batch(np.ones((batch,), np.int32), mesh)
     t0 = time.perf_counter()
     logits, cache = step(params, tokens, cache)
     logits.block_until_ready()
@@ -197,15 +197,14 @@ def spec_fields(spec) -> dict:
 
 
 def cache_tokens(context: int, extra: int, specs) -> int:
-    """Capacity for a cache holding `context + extra` tokens: a multiple of 256 and of every spec's R."""
-    multiple = allocation_multiple(256, *specs)
-    return -(-(context + extra) // multiple) * multiple
+    """Capacity for a cache holding `context + extra` tokens: the runtime's allocation unit for every spec."""
+    return runtime.rounded_tokens(context + extra, *specs)
 
 
 def with_ratio_vs_full(group: list[dict], key: str) -> list[dict]:
     """The rows of one measured group with `ratio_vs_full`: each row's `key` over the first full-precision row's
     (None without one); with several full rows (e.g. 'full@xla,full@native'), `ratio_vs` over each of them too."""
-    fulls = [r for r in group if r.get("spec", r["cache"]) == "full"]
+    fulls = [r for r in group if is_reference(r.get("spec", r["cache"]))]
     base = fulls[0][key] if fulls else None
     out = []
     for row in group:
@@ -268,7 +267,7 @@ def decode_temp_bytes(cfg: ModelConfig, spec, batch: int, max_tokens: int, dtype
     params = abstract_params(cfg, dtype) if params is None else params
     params = jax.eval_shape(lambda p: rotation.prepare_params(p, parse_cache_spec(spec)), params)
     cache = abstract_cache(spec, cfg, batch, max_tokens, dtype, impl)
-    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     compiled = decode_step_fn().lower(params, tokens, cache).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
@@ -321,7 +320,7 @@ def bench_memory(cfg: ModelConfig, context: int, specs, dtype, budget: int, impl
     compute_bytes = jnp.dtype(dtype).itemsize
     params = abstract_params(cfg, dtype) if params is None else params
     weights = tree_bytes(params)
-    full = tree_bytes(abstract_cache("full", cfg, 1, context, dtype, impl))
+    full = tree_bytes(abstract_cache(REFERENCE, cfg, 1, context, dtype, impl))
     results = {}
     for spec in specs:
         cache = tree_bytes(abstract_cache(spec, cfg, 1, context, dtype, impl))
@@ -357,14 +356,14 @@ def bench_memory(cfg: ModelConfig, context: int, specs, dtype, budget: int, impl
 def generate_greedy(params: Params, tokens: jax.Array, lengths: jax.Array, cache, new_tokens: int):
     """Prompt `tokens [batch, padded]` with `lengths [batch]` real tokens -> greedy new tokens `[batch, new_tokens]`
     and the cache; prefill and the decode loop are one compiled program (a `fori_loop` over decode steps)."""
-    logits, cache = forward(params, tokens, cache, num_new=lengths, logits_at=lengths - 1)
-    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [batch]
+    logits, cache = runtime.prefill_logits(params, tokens, cache, lengths)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
     out = jnp.zeros((tokens.shape[0], new_tokens), jnp.int32).at[:, 0].set(first)
 
     def body(i, carry):
         out, last, cache = carry
-        logits, cache = forward(params, last[:, None], cache)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        logits, cache = runtime.decode_logits(params, last, cache)
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return out.at[:, i].set(nxt), nxt, cache
 
     out, _, cache = jax.lax.fori_loop(1, new_tokens, body, (out, first, cache))

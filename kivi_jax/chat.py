@@ -16,20 +16,12 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from kivi_jax import rotation
+from kivi_jax import rotation, runtime
 from kivi_jax.cache import CacheCapacityError, full_cache_bytes, make_cache
-from kivi_jax.config import allocation_multiple, parse_cache_spec, spec_name
-from kivi_jax.generate import (
-    CACHE_BUCKET,
-    PREFILL_CHUNK,
-    Model,
-    Sampling,
-    check_int,
-    decode_step,
-    prefill,
-    raise_cache_errors,
-    sample_step,
-)
+from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.generate import Model
+from kivi_jax.runtime import PREFILL_CHUNK, TextStream
+from kivi_jax.sampling import Sampling, check_int, row_settings
 
 
 class ConversationFullError(CacheCapacityError):
@@ -57,11 +49,12 @@ class Chat:
         self.spec = parse_cache_spec(cache)
         self.params = rotation.prepare_params(self.params, self.spec)
         self.sampling = Sampling(temperature, top_k, top_p)
+        self.settings = row_settings([self.sampling])
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.impl, self.prefill_chunk = attention_impl, prefill_chunk
         self.system = system
         cfg = self.params.config
-        self.multiple = allocation_multiple(CACHE_BUCKET, self.spec)
+        self.multiple = runtime.rounded_tokens(1, self.spec)  # the allocation unit
         self.max_positions = cfg.max_position_embeddings // self.multiple * self.multiple
         self.initial_tokens = min(self._rounded(max_length or 1024), self.max_positions)
         self.reset()
@@ -95,41 +88,40 @@ class Chat:
             self.cache_text, self.ids, self.reprefills = "", [], self.reprefills + 1
         new_ids = self.tokenizer(rendered[len(self.cache_text):], add_special_tokens=False)["input_ids"]
         self._make_room(len(new_ids) + self.max_new_tokens)
-        last, self.cache = prefill(self.params, np.asarray([new_ids], np.int32), np.asarray([len(new_ids)]),
-                                   self.cache, self.prefill_chunk)
-        nxt, self.key = sample_step(last, self.key, self.sampling)
+        last, self.cache = runtime.prefill(self.params, np.asarray([new_ids], np.int32), np.asarray([len(new_ids)]),
+                                           self.cache, self.prefill_chunk)
+        state = runtime.Run(self.params, self.cache, self.key, self.settings, 1)
+        first = runtime.start_run(state, last)
         first_token_s = None
         self.messages, self.cache_text = messages, rendered
         self.ids += new_ids
-        reply_ids: list[int] = []
-        shown = ""
-        eos = set(self.params.config.eos_token_ids)
+        text = TextStream(self.tokenizer)
         try:
-            for _ in range(self.max_new_tokens):
-                token = int(np.asarray(nxt)[0])
+            # every token of the reply is fed at once (the last too), so the cache holds all the reply given so far
+            for step in runtime.run(state, first, self.max_new_tokens, self.params.config.eos_token_ids,
+                                    feed_last=True, feed_first=True):
+                token = int(step.tokens[0])
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - t0
-                if token in eos:
+                if token < 0 or token in self.params.config.eos_token_ids:
                     break
-                reply_ids.append(token)
+                text.add(token)
                 self.ids.append(token)
-                # fed at once, so the cache always holds every token of the reply given so far
-                nxt, self.cache, self.key = decode_step(self.params, jax.numpy.asarray([token], np.int32), self.cache,
-                                                        self.key, self.sampling)
-                piece = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
-                if not piece.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    yield piece[len(shown):]
-                    shown = piece
+                piece = text.piece()
+                if piece:
+                    yield piece
         finally:
-            reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            self.cache, self.key = state.cache, state.keys
+            reply = text.text
             self.messages = messages + [{"role": "assistant", "content": reply}]
             self.cache_text = rendered + reply
             self.turns += 1
-            self.last_turn = {"new_tokens": len(new_ids), "reply_ids": reply_ids,
+            self.last_turn = {"new_tokens": len(new_ids), "reply_ids": text.ids,
                               "first_token_seconds": first_token_s, "seconds": time.perf_counter() - t0}
-            raise_cache_errors(self.cache)
-        if len(reply) > len(shown):
-            yield reply[len(shown):]
+            runtime.raise_cache_errors(self.cache)
+        rest = text.piece(final=True)
+        if rest:
+            yield rest
 
     # -----------------------------------------------------------------------------------------------------------------
 

@@ -11,12 +11,13 @@ from kivi_jax import cli_args
 from kivi_jax.cli_args import (DTYPES, _dtype, add_cache_args, add_mesh_args, add_model_args,  # noqa: F401
                                add_sampling_args, cache_from_args, integer, mesh_from_args, sampling_from_args,
                                utf8_text, writable_file)
-from kivi_jax.config import SPEC_HELP
+from kivi_jax.config import REFERENCE, SPEC_HELP, is_reference
 from kivi_jax.quant import SUPPORTED_BITS
 
 def cmd_generate(args) -> int:
     import kivi_jax
     from kivi_jax.generate import Generation, start
+    from kivi_jax.runtime import TextStream
 
     spec = cache_from_args(args)  # a bad cache spec or flag fails before the model loads
     mesh = mesh_from_args(args)
@@ -36,21 +37,18 @@ def cmd_generate(args) -> int:
         mesh=mesh,
     )
     tok = model.tokenizer
-    ids: list[int] = []
-    shown = ""
+    text = TextStream(tok)
     for step in session.steps:
         if step.tokens[0] >= 0:
-            ids.append(int(step.tokens[0]))
+            text.add(int(step.tokens[0]))
         if not args.json and tok is not None:
-            text = tok.decode(ids, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
+            sys.stdout.write(text.piece(final=bool(step.done[0])))
+            sys.stdout.flush()
+    ids = text.ids
     gen = Generation(
         sequences=[ids],
         prompt_lengths=[len(session.prompts[0])],
-        texts=None if tok is None else [tok.decode(ids, skip_special_tokens=True)],
+        texts=None if tok is None else [text.text],
         single=True,
         seconds=time.perf_counter() - t1,
         prefill_seconds=session.result["prefill_seconds"],
@@ -147,7 +145,7 @@ def cache_summary(stats: dict) -> str:
     """One line on what the cache did: tokens, how many were quantized, bytes against a full-precision cache."""
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     n, kq, vq = stats["tokens"][0], stats["keys_quantized"][0], stats["values_quantized"][0]
-    if stats["cache"] == "full":
+    if is_reference(stats["cache"]):
         return f"full cache: {n} tokens in full precision, {mib(stats['bytes'])}"
     r = stats["residual_length"]
     note = (f"; all within the {r}-token full-precision residual, so the output equals the full cache's "
@@ -216,7 +214,7 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     args.mesh_obj = mesh_from_args(args)
     model, tokens, text_name = _eval_model_and_text(args)
     windows = evaluate.make_windows(tokens, args.prefill, args.decode, args.windows, args.split)
-    n_specs = len(set(specs) | {"full"})
+    n_specs = len(set(specs) | {REFERENCE})
     bar, progress = _progress_bar(n_specs * args.decode, show=not args.quiet)
     try:
         results = evaluate.evaluate(model.params, windows, args.prefill, specs, args.attention_impl, progress,

@@ -118,7 +118,7 @@ class KIVIConfig:
     def spec(self) -> str:
         """The canonical spec string, e.g. `k2v2-g32-r128` (printed from `SUFFIXES`, in its order)."""
         s = f"k{self.k_bits}v{self.v_bits}"
-        for suffix, field, value in SUFFIXES:
+        for suffix, field, value, _ in SUFFIXES:
             if value is int:  # a number: G and R always, others when set
                 n = getattr(self, field)
                 s += f"-{suffix}{n}" if n or field in ("group_size", "residual_length") else ""
@@ -217,6 +217,12 @@ class FullSpec:
 
 
 FULL = FullSpec()
+REFERENCE = FULL.spec  # the spec every other is measured against: its name in results, JSON rows and tables
+
+
+def is_reference(spec) -> bool:
+    """Whether `spec` (a parsed spec, a spec string, or a result row's spec label) is the full-precision reference."""
+    return spec == FULL if isinstance(spec, (str, FullSpec)) else False
 
 # 8-bit caches: (spec name, storage dtype name, largest finite value); per-token-and-head scales for int8 always, for
 # fp8 with `-tok` (else one scale of 1 per tensor, vLLM's default without calibrated scales)
@@ -294,26 +300,29 @@ def bits_per_value(kivi: KIVIConfig, head_dim: int | None, tokens: int | None = 
     return total / 2 + sinks
 
 
-# The spec grammar, one table for parsing and printing, in the order a canonical spec prints its suffixes: (suffix,
-# field, value). `int`: the number after the suffix (`-g64`); a tuple of fields: `-l<n>k<b>v<b>` (per-layer bits);
-# otherwise a flag that sets the field to the value.
+# The spec grammar, one table for parsing, printing and the help text, in the order a canonical spec prints its
+# suffixes: (suffix, field, value, help). `int`: the number after the suffix (`-g64`; the help names it first); a tuple
+# of fields: `-l<n>k<b>v<b>` (per-layer bits); otherwise a flag that sets the field to the value. A new option is a
+# KIVIConfig field and one row here.
 SUFFIXES = (
-    ("g", "group_size", int),
-    ("r", "residual_length", int),
-    ("ktok", "key_axis", "token"),
-    ("vchan", "value_axis", "channel"),
-    ("sf32", "scale_dtype", "float32"),
-    ("sbf16", "scale_dtype", "bfloat16"),
-    ("prerope", "pre_rope", True),
-    ("s", "sinks", int),
-    ("rotv", "rotate_values", True),
-    ("rotk", "rotate_keys", True),
-    ("l", ("first_layers", "first_k_bits", "first_v_bits"), "l{}k{}v{}"),
-    ("nuqk", "k_codebook", True),
-    ("nuqv", "v_codebook", True),
+    ("g", "group_size", int, "G: group size (default 32: tokens per group for per-channel stores, channels, at most "
+                             "head_dim, for per-token ones)"),
+    ("r", "residual_length", int, "R: residual length (default 128, a multiple of G)"),
+    ("ktok", "key_axis", "token", "quantizes keys per-token (the axis ablation)"),
+    ("vchan", "value_axis", "channel", "quantizes values per-channel (the axis ablation)"),
+    ("sf32", "scale_dtype", "float32", "stores scales and mins in float32 instead of float16"),
+    ("sbf16", "scale_dtype", "bfloat16", "stores scales and mins in bfloat16 instead of float16"),
+    ("prerope", "pre_rope", True, "quantizes keys before RoPE"),
+    ("s", "sinks", int, "S: keeps the first S tokens in full precision"),
+    ("rotv", "rotate_values", True, "quantizes values in a rotated basis"),
+    ("rotk", "rotate_keys", True, "rotates queries and keys"),
+    ("l", ("first_layers", "first_k_bits", "first_v_bits"), "l{}k{}v{}",
+     "stores the first n layers with other key/value bits (e.g. -l2k4v4)"),
+    ("nuqk", "k_codebook", True, "gives keys non-uniform codes (calibrated codebooks, kivi_jax/codebook.py)"),
+    ("nuqv", "v_codebook", True, "gives values non-uniform codes (calibrated codebooks, kivi_jax/codebook.py)"),
 )
-FLAGS = {suffix: (field, value) for suffix, field, value in SUFFIXES if value is not int and isinstance(field, str)}
-NUMBERS = {suffix: field for suffix, field, value in SUFFIXES if value is int}
+FLAGS = {suffix: (field, value) for suffix, field, value, _ in SUFFIXES if value is not int and isinstance(field, str)}
+NUMBERS = {suffix: field for suffix, field, value, _ in SUFFIXES if value is int}
 _LAYERS = re.compile(r"^l(\d+)k(\d+)v(\d+)$")
 _NUMBER = re.compile(r"^([a-z]+)(\d+)$")
 _SPEC = re.compile(r"^k(\d+)v(\d+)((?:-(?:" + "|".join(
@@ -336,20 +345,27 @@ ALIASES = {
                           first_v_bits=4, k_codebook=True, v_codebook=True),
 }
 
+def _option_help() -> tuple[str, str]:
+    """(the grammar `[-g<G>][-r<R>]...`, what each option does), from SUFFIXES."""
+    grammar, meaning = "", []
+    for suffix, field, value, text in SUFFIXES:
+        if value is int:
+            name, text = text.split(": ", 1)
+            grammar += f"[-{suffix}<{name}>]"
+            meaning.append(f"-{suffix}<{name}> {text}")
+        elif isinstance(field, tuple):
+            grammar += "[-l<n>k<b>v<b>]"
+            meaning.append(f"-l<n>k<b>v<b> {text}")
+        else:
+            grammar += f"[-{suffix}]"
+            meaning.append(f"-{suffix} {text}")
+    return grammar, "; ".join(meaning)
+
+
 SPEC_HELP = (
-    "cache specs: 'full' (full precision in the compute dtype); 'kivi2' (= k2v2-g32-r128); 'kivi4' (= k4v4-g32-r128); "
-    f"'kivi2+' (= {ALIASES['kivi2+'].spec}), 'kivi3+' (= {ALIASES['kivi3+'].spec}) and 'kivi2.5' "
-    f"(= {ALIASES['kivi2.5'].spec}), beyond KIVI; "
-    "or k<bits>v<bits>[-g<G>][-r<R>][-ktok][-vchan][-sf32|-sbf16][-prerope][-s<S>][-rotv][-rotk][-l<n>k<b>v<b>]"
-    "[-nuqk][-nuqv] "
-    "with bits in "
-    "{2,3,4,8}, group size G (default 32: tokens per group for per-channel stores, channels, at most head_dim, for "
-    "per-token ones) and residual length R (default 128, a multiple of G), e.g. k4v2-g64-r128; "
-    "-ktok quantizes keys per-token and -vchan values per-channel (the axis ablation); -sf32/-sbf16 store scales "
-    "and mins in float32/bfloat16 instead of float16; -prerope quantizes keys before RoPE; -s<S> keeps the first S "
-    "tokens in full precision; -rotv quantizes values in a rotated basis; -rotk rotates queries and keys; "
-    "-l<n>k<b>v<b> stores the first n layers with other key/value bits (e.g. -l2k4v4); -nuqk/-nuqv give keys/values "
-    "non-uniform codes (calibrated codebooks, kivi_jax/codebook.py); "
+    "cache specs: 'full' (full precision in the compute dtype); "
+    + "; ".join(f"'{name}' (= {a.spec})" for name, a in ALIASES.items()) + " (those with + and kivi2.5 go beyond KIVI); "
+    f"or k<bits>v<bits>{_option_help()[0]} with bits in {{2,3,4,8}}, e.g. k4v2-g64-r128: {_option_help()[1]}; "
     "8-bit baselines: 'int8' (per token and kv head, a float16 scale each), 'fp8' (= fp8-e4m3) or 'fp8-e5m2' "
     "(as stored, a per-tensor scale of 1), '-tok' for fp8 with per-token scales (e.g. fp8-e4m3-tok)"
 )

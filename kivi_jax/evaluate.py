@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import quant, rotation, sharding
+from kivi_jax import quant, rotation, runtime, sharding
 from kivi_jax.cache import make_cache
-from kivi_jax.config import allocation_multiple, parse_cache_spec, spec_name
+from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
 from kivi_jax.models.decoder import NoCache, Params, forward, rope_inv_freq
 
@@ -94,8 +94,7 @@ def check_protocol(prefill: int, decode: int, windows: int) -> None:
 
 def cache_tokens(prefill: int, decode: int, spec) -> int:
     """Cache size for a run: prefill + decode rounded up to 128 and the spec's token multiple (KIVI: R)."""
-    multiple = allocation_multiple(128, spec)
-    return -(-(prefill + decode) // multiple) * multiple
+    return runtime.rounded_tokens(prefill + decode, spec, bucket=128)
 
 
 def chunk_size(decode: int, most: int = 32) -> int:
@@ -109,7 +108,7 @@ def _prefill(params: Params, prompts: jax.Array, spec, max_tokens: int, impl: st
     """A fresh cache filled with `prompts [windows, prefill]` (sharded on `mesh` when one is given)."""
     n_win, prefill = prompts.shape
     cache = make_cache(spec, params.config, n_win, max_tokens, params.dtype, impl, mesh=mesh)
-    _, cache = forward(params, prompts, cache, logits_at=jnp.full((n_win,), prefill - 1))
+    _, cache = runtime.prefill_logits(params, prompts, cache)
     return sharding.constrain_cache(cache)
 
 
@@ -123,8 +122,8 @@ def _decode_steps(params: Params, cache, inputs: jax.Array, targets: jax.Array, 
 
     def step(cache, xs):
         tok, target, ref = xs  # [windows], [windows], [windows, vocab] or None
-        logits, cache = forward(params, tok[:, None], cache)
-        logp = jax.nn.log_softmax(logits[:, 0], axis=-1)  # [windows, vocab]
+        logits, cache = runtime.decode_logits(params, tok, cache)
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [windows, vocab]
         nll = -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
         if ref is None:
             return cache, (nll, jnp.zeros_like(nll), jnp.ones_like(nll), logp)
@@ -217,12 +216,12 @@ def evaluate(
     """Mean NLL, perplexity, KL vs full, top-1 agreement and decode throughput for each spec (`full` always included,
     first). `progress(spec_name, steps)` is called as decode steps complete; `mesh` as for `teacher_forced`."""
     names = list(dict.fromkeys(spec_name(parse_cache_spec(s)) for s in specs))
-    names = ["full"] + [n for n in names if n != "full"]
+    names = [REFERENCE] + [n for n in names if not is_reference(n)]
     results, ref = {}, None
     for name in names:
         tick = None if progress is None else functools.partial(progress, name)
         out = teacher_forced(params, windows, prefill, name, ref, impl, tick, mesh)
-        if name == "full":
+        if is_reference(name):
             ref = out["logprobs"]
         tokens = out["nll"].size
         results[name] = {
@@ -291,7 +290,7 @@ def describe(spec: str, head_dim: int | None = None, tokens: int | None = None, 
     over `num_layers`)."""
     cfg = parse_cache_spec(spec)
     row = cfg.describe()
-    if head_dim is not None or cfg == "full":
+    if head_dim is not None or is_reference(cfg):
         row["bits"] = cfg.value_bits(head_dim, tokens, num_layers)
     return row
 
@@ -300,7 +299,7 @@ def ablation_rows(results: dict, head_dim: int | None = None, tokens: int | None
                   num_layers: int | None = None) -> list[dict]:
     """One row per (study, spec) of ABLATION present in `results`, then any other spec of `results` (study "other");
     with ΔNLL against full (mean and its range over the windows) and, given the model's `head_dim`, bits a value."""
-    full = results["full"]
+    full = results[REFERENCE]
     pairs = [(study, spec_name(parse_cache_spec(spec))) for study, spec in ABLATION]
     pairs += [("other", name) for name in results if name not in {n for _, n in pairs}]
     rows = []
@@ -334,7 +333,7 @@ def peer_rows(report: dict) -> list[dict]:
     windows: ΔNLL against the peer's own full precision, and bits a value (codes plus a float32 scale and zero point
     a group, quanto's storage for a float32 model)."""
     results = report["results"]
-    full = results["full"]
+    full = results[REFERENCE]
     rows = []
     for name, r in results.items():
         cache = r.get("cache")
@@ -532,7 +531,7 @@ def errors_summary_line(s: dict) -> str:
 
 def format_results(results: dict) -> str:
     """A readable table of `evaluate`'s results, with ΔNLL against full."""
-    full = results["full"]["nll"]
+    full = results[REFERENCE]["nll"]
     width = max(len(k) for k in results) + 2
     lines = [f"{'cache':<{width}}{'NLL':>8}{'ΔNLL':>9}{'ppl':>9}{'KL(full‖q)':>12}{'top-1':>8}{'tok/s':>9}"]
     for name, r in results.items():

@@ -1,10 +1,9 @@
-"""Text generation: a jit-compiled prefill, then a jit-compiled decode step per token with the cache donated."""
+"""Text generation from prompts: validation up front, then the runtime's prefill and decode steps (`kivi_jax.runtime`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import secrets
 import time
 import warnings
@@ -14,17 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import rotation, sharding
-from kivi_jax.cache import (BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError, check_impl, full_cache_bytes,
-                            make_cache)
-from kivi_jax.config import KIVIConfig, allocation_multiple, parse_cache_spec
+from kivi_jax import rotation, runtime, sharding
+from kivi_jax.cache import check_impl, full_cache_bytes, make_cache
+from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import ModelConfig
-from kivi_jax.models.decoder import Params, forward
-
-PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
-CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)
-PREFILL_CHUNK = 512  # prompt tokens a prefill call takes (docs/benchmarks.md: chunked prefill)
-
+from kivi_jax.models.decoder import Params
+from kivi_jax.runtime import PREFILL_CHUNK, Step, cache_size, check_chunk
+from kivi_jax.sampling import Sampling, check_int, row_settings
 
 class Model(NamedTuple):
     """What `kivi_jax.load` returns; unpacks as `params, config, tokenizer`."""
@@ -32,132 +27,6 @@ class Model(NamedTuple):
     params: Params
     config: ModelConfig
     tokenizer: object | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: greedy when temperature is 0, else top-k / top-p sampling."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        check_number("temperature", self.temperature)
-        check_number("top_p", self.top_p)
-        check_int("top_k", self.top_k)
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 means no top-k cut)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-
-
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """`value` as an int, or a clear error: an integer (not a bool, not a float such as 2.5) of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r} must be an integer{'' if minimum is None else f' >= {minimum}'}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
-    return int(value)
-
-
-def check_number(name: str, value) -> float:
-    """`value` as a float, or a clear error: a finite real number (not nan or inf, not a string)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name}={value!r} must be a finite number")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}={value} must be a finite number (not nan or inf)")
-    return float(value)
-
-
-def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """Next tokens `[batch]` from float32 logits `[batch, vocab]`."""
-    if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1:
-        order = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(order, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-        kept = (before < sampling.top_p) | (before == 0)  # the most likely token always (top_p may round to 0)
-        cutoff = jnp.min(jnp.where(kept, order, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, last: jax.Array, last_at: jax.Array):
-    """One chunk `tokens [batch, C]` (`num_new [batch]` real) onto the cache; `last [batch, vocab]` keeps, for each
-    sequence, the logits after its last prompt token, which sits at `last_at [batch]` in this chunk (-1: elsewhere)."""
-    logits, cache = forward(params, tokens, cache, num_new=num_new, logits_at=jnp.maximum(last_at, 0))
-    return jnp.where((last_at >= 0)[:, None], logits[:, 0], last), cache
-
-
-def chunk_size(tokens: int, chunk: int | None = PREFILL_CHUNK) -> int:
-    """The width of the prefill calls for a prompt of `tokens` (the longest of a batch): whole PROMPT_BUCKETs, so
-    similar prompts share one compilation, at most `chunk` (None: no limit). Prompts of one width are prefilled
-    alike alone or together (the serving engine batches by it)."""
-    size = -(-max(tokens, 1) // PROMPT_BUCKET) * PROMPT_BUCKET
-    return size if chunk is None else min(size, check_chunk(chunk))
-
-
-def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
-                  mesh=None) -> Iterator[tuple[jax.Array, object]]:
-    """`prefill`, one chunk a step: yields `(last, cache)` after each chunk (the final pair is `prefill`'s result),
-    so a caller can run other work between chunks. The cache of each yield is the one to continue with (the
-    previous is donated)."""
-    batch, n = tokens.shape
-    size = chunk_size(n, chunk)
-    n_chunks = -(-n // size)
-    tokens = np.pad(tokens, ((0, 0), (0, n_chunks * size - n)), constant_values=params.config.pad_id)
-    lengths = np.asarray(lengths, np.int32)
-    put = jnp.asarray if mesh is None else functools.partial(sharding.put_batch, mesh=mesh)
-    last = put(np.zeros((batch, params.config.vocab_size), np.float32))
-    for c in range(n_chunks):
-        start = c * size
-        num_new = np.clip(lengths - start, 0, size).astype(np.int32)
-        last_at = np.where((lengths - 1 >= start) & (lengths - 1 < start + size), lengths - 1 - start, -1)
-        last, cache = prefill_chunk(params, put(tokens[:, start : start + size]), put(num_new), cache, last,
-                                    put(last_at.astype(np.int32)))
-        yield last, cache
-
-
-def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
-            mesh=None):
-    """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
-    holds, `chunk` tokens at a time (None: at once); every chunk has one shape (`chunk_size`), so one compilation
-    serves them all.
-    With `mesh` the inputs are placed split over its data axis (the caller runs this under `sharding.use_mesh`).
-    Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
-    for last, cache in prefill_steps(params, tokens, lengths, cache, chunk, mesh):
-        pass
-    return last, cache
-
-
-def check_chunk(chunk) -> int:
-    """`prefill_chunk` (tokens a prefill call takes) as a positive int; None is handled by the callers."""
-    return check_int("prefill_chunk", chunk, 1)
-
-
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def sample_step(logits: jax.Array, key: jax.Array, sampling: Sampling):
-    """Next tokens `[batch]` from logits `[batch, vocab]` -> (tokens, key)."""
-    key, sub = jax.random.split(key)
-    return sharding.replicated(sample_tokens(logits, sub, sampling)), key  # whole on every device
-
-
-@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
-def decode_step(params: Params, tokens: jax.Array, cache, key: jax.Array, sampling: Sampling, num_new=None):
-    """One token a sequence `[batch]` (`num_new [batch]` 0 or 1: a finished sequence is left as it was) ->
-    (next token `[batch]`, cache, key)."""
-    logits, cache = forward(params, tokens[:, None], cache, num_new=num_new)
-    key, sub = jax.random.split(key)
-    return sharding.replicated(sample_tokens(logits[:, 0], sub, sampling)), cache, key  # whole on every device
 
 
 def _is_token_list(x) -> bool:
@@ -205,43 +74,6 @@ def encode_prompts(prompt, tokenizer=None, chat: bool = False) -> tuple[list[lis
             raise ValueError(f"empty prompt{'' if single else f' (number {i})'}: it has no tokens")
         out.append(ids)
     return out, single
-
-
-def cache_size(prompt_len: int, max_new_tokens: int, spec, max_length: int | None, cfg: ModelConfig) -> int:
-    """Tokens the cache is allocated for: `max_length`, else the need rounded up to whole buckets. Either way the
-    prompt plus the new tokens must fit the model's `max_position_embeddings`."""
-    need = prompt_len + max_new_tokens
-    multiple = allocation_multiple(CACHE_BUCKET, spec)
-    if max_length is not None:
-        check_int("max_length", max_length, 1)
-        if need > cfg.max_position_embeddings:
-            raise CacheCapacityError(
-                f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {need} tokens exceed the "
-                f"model's {cfg.max_position_embeddings} positions (max_position_embeddings), whatever max_length="
-                f"{max_length} says; shorten the prompt or lower max_new_tokens to at most "
-                f"{max(cfg.max_position_embeddings - prompt_len, 0)}"
-            )
-        if need > max_length:
-            raise CacheCapacityError(
-                f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}, so the cache needs "
-                f"{need} tokens, but max_length={max_length}; raise max_length to at least {need} or shorten the prompt"
-            )
-        return max_length
-    if need > cfg.max_position_embeddings:
-        raise CacheCapacityError(
-            f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {need} tokens exceed the "
-            f"model's {cfg.max_position_embeddings} positions; shorten the prompt or lower max_new_tokens"
-        )
-    return -(-need // multiple) * multiple
-
-
-@dataclasses.dataclass
-class Step:
-    """One generated token per sequence; `token` is -1 for sequences already finished."""
-
-    index: int
-    tokens: np.ndarray  # [batch] int
-    done: np.ndarray  # [batch] bool, after this step
 
 
 @dataclasses.dataclass
@@ -372,7 +204,6 @@ def start(
     lengths = np.array([len(p) for p in prompts] + [1] * (rows - batch), np.int32)
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
-    eos = np.array(cfg.eos_token_ids if stop_at_eos else [], np.int32)
     result: dict = {"prefill_seconds": 0.0, "overflow": False, "seed": seed}
 
     def steps() -> Iterator[Step]:
@@ -380,38 +211,23 @@ def start(
         kv = make_cache(spec, cfg, rows, max_tokens, params.dtype, attention_impl, mesh=mesh)
         key = jax.random.PRNGKey(seed) if mesh is None else sharding.put(jax.random.PRNGKey(seed), mesh)
         put = jnp.asarray if mesh is None else functools.partial(sharding.put_batch, mesh=mesh)
+        state = runtime.Run(params, kv, key, row_settings([sampling] * rows, put), batch, mesh)
         with sharding.use_mesh(mesh):
-            last, kv = prefill(params, tokens, lengths, kv, prefill_chunk, mesh)
-            nxt, key = sample_step(last, key, sampling)
-        done = np.zeros(batch, bool)
-        for i in range(max_new_tokens):
-            raise_cache_errors(kv)
-            host = np.asarray(nxt)[:batch]
-            if i == 0:
+            last, state.cache = runtime.prefill(params, tokens, lengths, state.cache, prefill_chunk, mesh)
+        first = runtime.start_run(state, last)
+        for step in runtime.run(state, first, max_new_tokens, cfg.eos_token_ids if stop_at_eos else ()):
+            if step.index == 0:
                 result["prefill_seconds"] = time.perf_counter() - t0
-            out = np.where(done, -1, host)
-            done = done | np.isin(host, eos)
-            if i == max_new_tokens - 1:
-                done[:] = True
-            yield Step(i, out, done.copy())
-            if done.all():
-                break
-            feed = np.full(rows, cfg.pad_id, np.int32)
-            feed[:batch] = np.where(done, cfg.pad_id, host)
-            live = np.zeros(rows, np.int32)
-            live[:batch] = ~done
-            with sharding.use_mesh(mesh):
-                nxt, kv, key = decode_step(params, put(feed), kv, key, sampling, put(live))
-        raise_cache_errors(kv)
-        overflow = sharding.to_host(kv.overflow)[:batch] if hasattr(kv, "overflow") else None
-        if overflow is not None and bool(np.any(overflow)):
+            yield step
+        kv = state.cache
+        overflow = runtime.overflowed_rows(kv)[:batch]
+        if overflow.any():
             result["overflow"] = True
-            advice = ("Store scales in float32 (KIVIConfig(scale_dtype='float32'), spec suffix -sf32)."
-                      if isinstance(spec, KIVIConfig) else "Use the full cache or a KIVI cache with -sf32.")
             warnings.warn(
                 f"{spec.spec} cache: a quantization scale or min overflowed "
                 f"{getattr(spec, 'scale_dtype', 'float16')} (|x| beyond its range) in "
-                "sequences " + str(np.flatnonzero(overflow).tolist()) + "; their output is unreliable. " + advice,
+                "sequences " + str(np.flatnonzero(overflow).tolist()) + "; their output is unreliable. "
+                + runtime.overflow_advice(spec),
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -419,32 +235,6 @@ def start(
                                       batch)
 
     return Session(prompts, single, steps(), result)
-
-
-def raise_cache_errors(cache) -> None:
-    """Turns a cache's `error_flags` (`[batch]` int32 bitmask set under jit; absent on caches without guards) into a
-    clear error: a token id out of range is a ValueError, a write past capacity a CacheCapacityError."""
-    flags = getattr(cache, "error_flags", None)
-    if flags is None:
-        return
-    flags = sharding.to_host(flags).reshape(-1)
-    if not (flags & ~SCALE_OVERFLOW).any():
-        return
-    capacity = np.flatnonzero(flags & PAST_CAPACITY).tolist()
-    tokens = np.flatnonzero(flags & BAD_TOKEN).tolist()
-    unknown = np.flatnonzero(flags & ~(BAD_TOKEN | PAST_CAPACITY | SCALE_OVERFLOW)).tolist()  # overflow: a warning
-    if capacity:
-        raise CacheCapacityError(
-            f"sequences {capacity} were written past the cache's capacity of {getattr(cache, 'max_tokens', '?')} "
-            "tokens, so their logits are wrong; allocate a larger cache (max_length) or generate fewer tokens"
-        )
-    if tokens:
-        raise ValueError(
-            f"sequences {tokens} fed token ids outside the vocabulary [0, vocab_size) to the model, so their logits "
-            "are meaningless; pass ids the model's tokenizer produces"
-        )
-    raise RuntimeError(f"the cache reports unknown error flags {sorted(set(flags[unknown].tolist()))} in sequences "
-                       f"{unknown}")
 
 
 def quantized_counts(length, spec) -> tuple[np.ndarray, np.ndarray]:

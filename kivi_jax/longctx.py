@@ -1,7 +1,7 @@
 """Long-context quality through the cache: passkey retrieval, a needle in real prose, and long-document loss.
 
 Every case runs through the cache as generation runs it (docs/quality.md, "Long context"): the prompt prefilled in
-chunks of `generate.PREFILL_CHUNK` tokens (`generate.prefill`), then greedy decoding with `generate.decode_step`.
+chunks of `runtime.PREFILL_CHUNK` tokens (`runtime.prefill`), then greedy decoding with `runtime.run`.
 Cases whose prompts share a prefix share its prefill: the cache after the shared whole chunks is computed once and
 copied, which is the same computation as prefilling each prompt from the start (same chunks, same shapes, same
 capacity; `tests/test_longctx.py` checks the answers against `generate`). Long-document loss prefills a document's
@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import evaluate, rotation
+from kivi_jax import evaluate, rotation, runtime
 from kivi_jax.cache import make_cache
-from kivi_jax.config import ALIASES, parse_cache_spec, spec_name
-from kivi_jax.generate import (PREFILL_CHUNK, Sampling, cache_size, chunk_size, decode_step, prefill,
-                               raise_cache_errors)
-from kivi_jax.models.llama import Params
+from kivi_jax.config import ALIASES, REFERENCE, is_reference, parse_cache_spec, spec_name
+from kivi_jax.models.decoder import Params
+from kivi_jax.runtime import PREFILL_CHUNK, cache_size, chunk_size, prefill
+from kivi_jax.sampling import GREEDY, row_settings
 
 TASKS = ("passkey", "needle", "longdoc")
 RETRIEVAL = ("passkey", "needle")
@@ -252,16 +252,14 @@ def shared_prefill(params: Params, base: np.ndarray, stops: list[int], cache, st
 def greedy(params: Params, last: jax.Array, cache, steps: int, eos, stop: Callable[[list[int]], bool]) -> list[int]:
     """Greedy tokens after a prefill (`last [1, vocab]` its logits) as `generate` decodes them, up to `steps`, an EOS
     or `stop(tokens)`."""
-    key, out, sampling = placed_like(params, jax.random.PRNGKey(0)), [], Sampling()
-    live = placed_like(params, jnp.ones((1,), jnp.int32))
-    tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
-    for i in range(steps):
-        t = int(tok[0])
-        out.append(t)
-        if t in eos or i == steps - 1 or stop(out):
+    state = runtime.Run(params, cache, placed_like(params, jax.random.PRNGKey(0)),
+                        placed_like(params, row_settings([GREEDY])), 1)
+    out = []
+    for step in runtime.run(state, runtime.start_run(state, last), steps, eos):
+        out.append(int(step.tokens[0]))
+        if stop(out):
             break
-        tok, cache, key = decode_step(params, tok, cache, key, sampling, live)
-    raise_cache_errors(cache)
+    runtime.raise_cache_errors(state.cache)
     return out
 
 
@@ -457,7 +455,7 @@ def run(model, specs=SPECS, tasks=TASKS, lengths=None, results_path: str | None 
     next length), long-document loss after it. Returns the report (`report`)."""
     params, tokenizer = model.params, model.tokenizer
     cfg = params.config
-    specs = list(dict.fromkeys(["full"] + [spec_name(parse_cache_spec(s)) for s in specs]))  # the ceiling, first
+    specs = list(dict.fromkeys([REFERENCE] + [spec_name(parse_cache_spec(s)) for s in specs]))  # the ceiling, first
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {TASKS}")
@@ -489,9 +487,9 @@ def run(model, specs=SPECS, tasks=TASKS, lengths=None, results_path: str | None 
         refs = {}
         for spec in specs:
             pending = [c for c in contexts if ("longdoc", spec, c, documents) not in results]
-            need_ref = spec == "full" and any(
-                ("longdoc", s, c, documents) not in results for s in specs if s != "full" for c in contexts)
-            if spec == "full" and need_ref:  # the reference: from an earlier run's file, else computed again
+            need_ref = is_reference(spec) and any(
+                ("longdoc", s, c, documents) not in results for s in specs if not is_reference(s) for c in contexts)
+            if is_reference(spec) and need_ref:  # the reference: from an earlier run's file, else computed again
                 refs = {c: _load_ref(results_path, c) for c in contexts}
                 pending = [c for c in contexts if c in pending or refs[c] is None]
             if not pending:
@@ -500,7 +498,7 @@ def run(model, specs=SPECS, tasks=TASKS, lengths=None, results_path: str | None 
             t0 = time.perf_counter()
 
             def done(c, out, spec=spec):
-                if spec == "full":
+                if is_reference(spec):
                     refs[c] = out["logprobs"]
                     if results_path is not None:
                         np.save(_ref_path(results_path, c), np.asarray(out["logprobs"]))
@@ -514,7 +512,7 @@ def run(model, specs=SPECS, tasks=TASKS, lengths=None, results_path: str | None 
                 log(f"  longdoc {spec} after {c}: NLL {record['nll']:.4f}, KL {record['kl_vs_full']:.4f}, top-1 "
                     f"{record['top1_agree']:.3f}")
 
-            longdoc_loss(params, docs, spec, contexts, scored, None if spec == "full" else refs, impl,
+            longdoc_loss(params, docs, spec, contexts, scored, None if is_reference(spec) else refs, impl,
                          skip=[c for c in contexts if c not in pending], on_done=done)
     return report(list(results.records.values()), specs, tasks, lengths, contexts, documents, scored)
 
@@ -524,7 +522,7 @@ def report_file(path: str, specs=SPECS, tasks=TASKS, lengths=None, documents: in
     """The report (`report`) of the cases a results file holds, running none (cases it lacks are left out)."""
     if not os.path.exists(path):
         raise ValueError(f"no results file {path}; run the evaluation with --results {path} first")
-    specs = list(dict.fromkeys(["full"] + [spec_name(parse_cache_spec(s)) for s in specs]))
+    specs = list(dict.fromkeys([REFERENCE] + [spec_name(parse_cache_spec(s)) for s in specs]))
     lengths = [(n, CASES) for n in LENGTHS] if lengths is None else list(lengths)
     return report(load_records(path), specs, tasks, lengths, contexts, documents, scored)
 
@@ -552,7 +550,7 @@ def report(records: list[dict], specs, tasks, lengths, contexts=CONTEXTS, docume
                                     "prompt_tokens": int(np.mean([r["prompt_tokens"] for r in got])),
                                     "wrong_depths": [round(r["depth"], 3) for r in got if not r["correct"]]}
             retrieval[task][spec] = rows
-        full = retrieval[task].get("full", {})
+        full = retrieval[task].get(REFERENCE, {})
         for spec, rows in retrieval[task].items():
             for length, row in rows.items():
                 ceiling = full.get(length)
@@ -563,7 +561,7 @@ def report(records: list[dict], specs, tasks, lengths, contexts=CONTEXTS, docume
         for spec in specs:
             rows = {}
             for c in contexts:
-                r, full = by_key.get(("longdoc", spec, c, documents)), by_key.get(("longdoc", "full", c, documents))
+                r, full = by_key.get(("longdoc", spec, c, documents)), by_key.get(("longdoc", REFERENCE, c, documents))
                 if r is not None:
                     rows[c] = {"nll": r["nll"], "delta_nll": None if full is None else r["nll"] - full["nll"],
                                "kl_vs_full": r["kl_vs_full"], "top1_agree": r["top1_agree"],
@@ -599,7 +597,7 @@ def markdown(rep: dict) -> str:
         for spec, rows in by_spec.items():
             cells = [f"{rows[n]['correct']}/{rows[n]['cases']}" if n in rows else "" for n in lengths]
             out.append(f"| `{label(spec)}` | " + " | ".join(cells) + " |")
-        full = by_spec.get("full", {})
+        full = by_spec.get(REFERENCE, {})
         reading = [n for n in lengths if n in full and full[n]["reading"]]
         head = f"Lengths where the full cache reaches {CEILING:.0%} (the pass/fail reading): "
         if not reading:
@@ -607,7 +605,7 @@ def markdown(rep: dict) -> str:
             continue
         out += ["", head + f"{', '.join(map(str, reading))}; within {SLACK * 20:.0f} case in 20 of full there: "
                 + "; ".join(f"`{label(spec)}` {verdict(rows, reading)}" for spec, rows in by_spec.items()
-                            if spec != "full"), ""]
+                            if not is_reference(spec)), ""]
     if rep["longdoc"]:
         contexts = rep["contexts"]
         out += [f"long-document loss ({rep['documents']} documents, {rep['scored']} tokens scored after each context): "

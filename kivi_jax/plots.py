@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kivi_jax.config import is_reference
+
 
 def _pyplot():
     try:
@@ -37,7 +39,7 @@ def plot_decode(rows: list[dict], title: str, path) -> str:
             y = [r["step_ms_median"] for r in pts]
             err = [[r["step_ms_median"] - r["step_ms_min"] for r in pts], [r["step_ms_max"] - r["step_ms_median"] for r in pts]]
             line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{cache}, batch {batch}")
-            if pts[0].get("ratio_vs_full") is not None and cache != "full":
+            if pts[0].get("ratio_vs_full") is not None and not is_reference(cache):
                 ax_r.plot(x, [r["ratio_vs_full"] for r in pts], marker="o", color=line[0].get_color(),
                           label=f"{cache}, batch {batch}")
     for a in (ax, ax_r):
@@ -104,7 +106,7 @@ def plot_generate(rows: list[dict], title: str, path) -> str:
 def plot_ablation(rows: list[dict], title: str, path) -> str:
     """ΔNLL per configuration as bars grouped by study, the windows' range as whiskers (`evaluate.ablation_rows`)."""
     plt = _pyplot()
-    rows = [r for r in rows if r["spec"] != "full"]
+    rows = [r for r in rows if not is_reference(r["spec"])]
     studies = list(dict.fromkeys(r["study"] for r in rows))
     colors = dict(zip(studies, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
@@ -126,7 +128,7 @@ def plot_tradeoff(rows: list[dict], title: str, path) -> str:
     """ΔNLL against bits a cached value for every configuration with a bit count: KIVI's own sweep (bits, G, R), the
     beyond-KIVI configurations, the presets, and a peer's (transformers' quanto cache) when given; log ΔNLL."""
     plt = _pyplot()
-    rows = [r for r in rows if r.get("bits") is not None and r["spec"] != "full"]
+    rows = [r for r in rows if r.get("bits") is not None and not is_reference(r["spec"])]
     kinds = {"presets": lambda r: r["study"] == "presets",  # first: a preset also on the combined path is a preset
              "KIVI (bits, G, R, axes)": lambda r: r["study"] in KIVI_STUDIES,
              "beyond KIVI": lambda r: r["study"].startswith("beyond") or r["study"] == "other",
@@ -167,7 +169,7 @@ def plot_longctx(report: dict, title: str, path) -> str:
             pts = sorted((int(n), r["accuracy"]) for n, r in rows.items())
             if pts:
                 ax.plot([n for n, _ in pts], [a for _, a in pts], marker="o", label=labels.get(spec, spec),
-                        linestyle="--" if spec == "full" else "-", color="black" if spec == "full" else None)
+                        linestyle="--" if is_reference(spec) else "-", color="black" if is_reference(spec) else None)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("prompt length (tokens)")
@@ -179,7 +181,7 @@ def plot_longctx(report: dict, title: str, path) -> str:
         ax = axes[len(tasks)]
         for spec, rows in report["longdoc"].items():
             pts = sorted((int(c), r["delta_nll"]) for c, r in rows.items() if r["delta_nll"] is not None)
-            if spec != "full" and pts:
+            if not is_reference(spec) and pts:
                 ax.plot([c for c, _ in pts], [d for _, d in pts], marker="o", label=labels.get(spec, spec))
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xlabel("context before the scored tokens (tokens)")

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from kivi_jax.serve.engine import Engine
     from kivi_jax.serve.grammar import Compiler
     from kivi_jax.serve.loadtest import BENCH_SCHEMA, PROMPTS
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling
 
     model = kivi_jax.load(args.model, progress=False)
     tok = model.tokenizer
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
 
     def run(constrained: bool) -> list[float]:
         for i, q in enumerate(prompts):
-            eng.admit_choices(q, [RowSampling(0.0)], constraints=[grammar.matcher()] if constrained else None)
+            eng.admit_choices(q, [Sampling(0.0)], constraints=[grammar.matcher()] if constrained else None)
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()

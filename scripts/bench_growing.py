@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import kivi_jax  # noqa: E402
 from kivi_jax.cache import make_cache  # noqa: E402
 from kivi_jax.evaluate import default_text, tokenize  # noqa: E402
-from kivi_jax.generate import PROMPT_BUCKET, prefill, prefill_chunk  # noqa: E402
+from kivi_jax.runtime import PROMPT_BUCKET, prefill, prefill_chunk  # noqa: E402
 
 
 def text_tokens(model, n: int) -> np.ndarray:

@@ -5,10 +5,10 @@
 For each count L an engine of L slots in one decode group (one step computes exactly the L live rows) is filled with
 L prompts of `--context` tokens (batched prefill), then, each the median of `--steps` repeats:
 - `step`: `Engine.step()` as the scheduler calls it (host arrays in, tokens back on the host);
-- `device`: the jitted decode call alone (`engine.decode_slots`, inputs already on the device, blocked on);
+- `device`: the jitted decode call alone (`runtime.decode_step`, inputs already on the device, blocked on);
 - `weights`: the model's forward over one token a row without a cache (`forward(params, tokens [L, 1])`): the
   projections, MLP, norms and the LM head, with attention over the one new token only;
-- `sampling`: the per-row choice (`engine._choose`, greedy rows) over logits `[L, vocab]`;
+- `sampling`: the per-row choice (`runtime.choose`, greedy rows) over logits `[L, vocab]`;
 - `attention` = device - weights - sampling (the cache's attention over `--context` tokens and its commit);
 - `host` = step - device (building the inputs, the call's dispatch, reading the tokens).
 With `--slots S`: also the whole step of an engine of S slots holding L live sequences, in one bucketed group (only
@@ -53,11 +53,11 @@ def dot_rate(rows: int, k: int, n: int, repeats: int) -> float:
 def fill(eng, prompts: list[list[int]]) -> None:
     """Admits the prompts (greedy) into the engine's slots through its batched prefill."""
     from kivi_jax.serve.engine import Waiting
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling
 
     room = eng.prefill_room(eng.prefill_shape(prompts[0]))
     for i in range(0, len(prompts), room):
-        job = eng.start_prefill([Waiting(q, [RowSampling(0.0)]) for q in prompts[i : i + room]])
+        job = eng.start_prefill([Waiting(q, [Sampling(0.0)]) for q in prompts[i : i + room]])
         while eng.advance(job) is None:
             pass
 
@@ -90,14 +90,15 @@ def main(argv=None) -> int:
 
     import kivi_jax
     from kivi_jax.models.decoder import forward
+    from kivi_jax import runtime
     from kivi_jax.serve import engine as E
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling, row_settings
 
     model = kivi_jax.load(args.model, progress=False, weights=args.weights)
     params, cfg = model.params, model.config
     rng = np.random.RandomState(0)
     weights_fn = jax.jit(forward)
-    choose = jax.jit(E._choose)
+    choose = jax.jit(runtime.choose)
     rows_out = []
     for live in [int(x) for x in args.live.split(",")]:
         max_length = -(-(args.context + 4 * args.steps + 8) // 256) * 256
@@ -108,15 +109,16 @@ def main(argv=None) -> int:
         # the decode call alone, as step_scored makes it (every row live and greedy)
         put = jnp.asarray
         zeros_i, zeros_b = put(np.zeros(live, np.int32)), put(np.zeros(live, bool))
-        temperature, top_k, top_p = E.Engine._row_arrays([RowSampling(0.0)] * live)
+        temperature, top_k, top_p = row_settings([Sampling(0.0)] * live)
         tokens = put(np.full(live, 5, np.int32))
         state = {"cache": eng.caches[0], "keys": eng.keys[0]}
 
         def device():
-            out = E.decode_slots(eng.params, tokens, put(np.ones(live, bool)), state["cache"], state["keys"],
-                                 temperature, top_k, top_p, zeros_b, zeros_i, zeros_b, eng.no_mask[0], zeros_b)
-            state["cache"], state["keys"] = out[4], out[5]
-            out[0].block_until_ready()
+            out, state["cache"] = runtime.decode_step(eng.params, tokens, put(np.ones(live, bool)), state["cache"],
+                                                      state["keys"], temperature, top_k, top_p, zeros_b, zeros_i,
+                                                      zeros_b, eng.no_mask[0], zeros_b)
+            state["keys"] = out.keys
+            out.tokens.block_until_ready()
 
         dev = median_time(device, args.steps)
         one = put(np.full((live, 1), 5, np.int32))
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
         logits = put(rng.randn(live, cfg.vocab_size).astype(np.float32))
         keys = put(np.zeros((live, 2), np.uint32))
         s = median_time(lambda: choose(logits, keys, temperature, top_k, top_p, zeros_b, zeros_i, zeros_b,
-                                       eng.no_mask[0], zeros_b)[0].block_until_ready(), args.steps)
+                                       eng.no_mask[0], zeros_b).tokens.block_until_ready(), args.steps)
         rate = dot_rate(live, cfg.hidden_size, cfg.intermediate_size, args.steps)
         row = {"live": live, "context": args.context, "step_ms": round(step * 1e3, 2), "device_ms": round(dev * 1e3, 2),
                "weights_ms": round(w * 1e3, 2), "sampling_ms": round(s * 1e3, 2),

@@ -321,21 +321,21 @@ def serve_run(params, mesh_text: str | None) -> dict:
     """The serving engine on a mesh (or one device): 3 ragged greedy requests decoded together, then a request
     that extends the first one's finished tokens (prefix reuse: its cache extracted from the batch cache)."""
     from kivi_jax.serve.engine import Engine, extract_cache
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling
 
     eng = Engine(params, KIVI, slots=4, max_length=MAX_TOKENS, prefill_chunk=32, attention_impl="xla",
                  mesh=mesh_text)
     tokens, lengths = prompts(3)
     out: dict = {"streams": {}}
     for i in range(3):
-        slot, first = eng.admit(tokens[i, : lengths[i]].tolist(), RowSampling(0.0))
+        slot, first = eng.admit(tokens[i, : lengths[i]].tolist(), Sampling(0.0))
         out["streams"][slot] = [first]
     for _ in range(4):
         for slot, t in eng.step().items():
             out["streams"][slot].append(t)
     eng.finish(0)
     follow = eng.slots[0].tokens + [eng.slots[0].last, 5, 6, 7]
-    slot, first = eng.admit(follow, RowSampling(0.0))
+    slot, first = eng.admit(follow, Sampling(0.0))
     reuse = [first] + [eng.step()[slot] for _ in range(3)]
     out.update(reuse=reuse, reused=eng.counters["prefix_tokens_reused"])
     if mesh_text is not None:

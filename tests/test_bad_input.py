@@ -14,7 +14,8 @@ from conftest import TINY_VOCAB
 from kivi_jax import checkpoint, cli
 from kivi_jax.cache import CacheCapacityError
 from kivi_jax.checkpoint import CheckpointError
-from kivi_jax.generate import quantized_counts, raise_cache_errors
+from kivi_jax.generate import quantized_counts
+from kivi_jax.runtime import raise_cache_errors
 
 MODEL = "<tiny model dir>"  # replaced by the tiny llama's HF directory
 NOT_UTF8 = "a\udcffb"  # how Python hands over the bytes b"a\xffb" of a command-line argument

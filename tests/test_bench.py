@@ -12,7 +12,7 @@ import kivi_jax
 from kivi_jax import bench
 from kivi_jax.cli import main
 from kivi_jax.config import parse_cache_spec
-from kivi_jax.generate import PROMPT_BUCKET, cache_size
+from kivi_jax.runtime import PROMPT_BUCKET, cache_size
 
 LLAMA2 = bench.PRESETS["llama2-7b"]
 TINY_SPECS = "full,k2v2-g16-r32"  # the tiny models' head_dim is 16

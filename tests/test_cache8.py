@@ -215,13 +215,13 @@ def test_generate_with_an_int8_cache_reports_every_token_stored_in_eight_bits(ti
 
 def test_the_serving_engine_on_an_int8_cache_gives_generate_s_greedy_tokens(tiny_dirs):
     from kivi_jax.serve.engine import Engine
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling
 
     model = kivi_jax.load(str(tiny_dirs["llama_mha"][0]), progress=False)
     prompt = np.random.RandomState(9).randint(3, 90, 37).tolist()
     eng = Engine(model.params, "int8", slots=2, max_length=64, prefill_chunk=64)  # one chunk, as generate
     assert eng.slot_bytes < cache_bytes("full", model.config, 1, 64, 4) / 3.5
-    slot, tok = eng.admit(prompt, RowSampling(0.0))
+    slot, tok = eng.admit(prompt, Sampling(0.0))
     out = [tok] + [eng.step()[slot] for _ in range(7)]
     ref = kivi_jax.generate(model, prompt, max_new_tokens=8, cache="int8", max_length=64, stop_at_eos=False)
     assert out == ref.token_ids

@@ -20,10 +20,10 @@ import kivi_jax
 from conftest import TINY_VOCAB
 from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes
 from kivi_jax.config import parse_cache_spec
-from kivi_jax.generate import Sampling, sample_tokens
+from kivi_jax.sampling import Sampling, sample_tokens
 from kivi_jax.serve import engine as engine_mod
-from kivi_jax.serve.sampling import sample_rows
-from kivi_jax.serve.scheduler import held_back
+from kivi_jax.sampling import sample_rows
+from kivi_jax.runtime import held_back
 
 openai = pytest.importorskip("openai")
 
@@ -391,15 +391,15 @@ def test_multi_chunk_prefill_matches_one_piece(model, monkeypatch):
     import importlib
 
     from kivi_jax.serve.engine import Engine
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling
 
-    gen = importlib.import_module("kivi_jax.generate")  # the module (the package's `generate` is the function)
+    gen = importlib.import_module("kivi_jax.runtime")  # where the prefill chunks run
     calls = []
     real = gen.prefill_chunk
     monkeypatch.setattr(gen, "prefill_chunk", lambda *a: calls.append(a[1].shape) or real(*a))
     eng = Engine(model.params, "full", slots=1, max_length=MAX_LENGTH, prefill_chunk=64)
     p = prompts(6, [150])[0]
-    slot, tok = eng.admit(p, RowSampling(0.0))
+    slot, tok = eng.admit(p, Sampling(0.0))
     assert calls == [(1, 64)] * 3  # three chunks of one shape
     out = [tok] + [eng.step()[slot] for _ in range(11)]
     ref = kivi_jax.generate(model, p, max_new_tokens=12, cache="full", max_length=MAX_LENGTH, stop_at_eos=False)

@@ -43,7 +43,7 @@ def test_echo_logprobs_are_the_teacher_forced_logprobs_through_the_cache(model, 
     token after the first, the log-probability `kivi_jax.evaluate.teacher_forced` gives it through the same cache: the
     server's KIVI cache, and the full-precision one (an engine alone)."""
     from kivi_jax.serve.engine import Engine
-    from kivi_jax.serve.sampling import RowSampling
+    from kivi_jax.sampling import Sampling
 
     server, url = served
     tokens = scored_prompt
@@ -56,7 +56,7 @@ def test_echo_logprobs_are_the_teacher_forced_logprobs_through_the_cache(model, 
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first token: no prediction
     got = {SPEC: np.array(lp["token_logprobs"][1:])}
     eng = Engine(model.params, "full", slots=1, max_length=MAX_LENGTH, prefill_chunk=64)
-    admitted = eng.admit_choices(tokens, [RowSampling(0.0)], score_prompt=True, logprobs=True)
+    admitted = eng.admit_choices(tokens, [Sampling(0.0)], score_prompt=True, logprobs=True)
     assert eng.counters["decode_steps"] == 0  # the full cache: the whole prompt scored by its prefill
     assert [o.token for o in admitted.prompt_scores] == tokens[1:]
     got["full"] = np.array([o.logprob for o in admitted.prompt_scores])

@@ -14,7 +14,7 @@ import pytest
 import kivi_jax
 from conftest import TINY_VOCAB
 from kivi_jax.serve.engine import Engine, Waiting
-from kivi_jax.serve.sampling import RowSampling
+from kivi_jax.sampling import Sampling
 from kivi_jax.serve.scheduler import Request, Scheduler
 
 SPEC = "k2v2-g8-r16"  # quantization within a few tokens: the batched stores are compared bit for bit
@@ -48,12 +48,12 @@ def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec,
     batch = prompts(3, lengths)
     alone = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk, prefill_batch=1)
     together = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk)
-    first_alone = [alone.admit(p, RowSampling(0.0)) for p in batch]
+    first_alone = [alone.admit(p, Sampling(0.0)) for p in batch]
     assert together.batchable(batch[0]) and not alone.batchable(batch[0])
     with pytest.raises(ValueError, match="one prefill shape"):  # a prompt of another chunk count waits for its own
-        together.start_prefill([Waiting(p, [RowSampling(0.0)]) for p in batch + [batch[0] + [3] * chunk]])
+        together.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch + [batch[0] + [3] * chunk]])
     assert together.count("free") == len(batch)  # nothing reserved by the refused call
-    job = together.start_prefill([Waiting(p, [RowSampling(0.0)]) for p in batch])
+    job = together.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch])
     assert job.rows == 1 << (len(batch) - 1).bit_length()
     assert together.count("filling") == len(batch) and not together.has_free_slot()
     calls = 0
@@ -86,7 +86,7 @@ def request(prompt: list[int], new: int, seen=None) -> tuple[Request, queue.Queu
             seen(e)
         q.put(e)
 
-    return Request(prompt, new, RowSampling(0.0), emit), q
+    return Request(prompt, new, Sampling(0.0), emit), q
 
 
 def answer(q: queue.Queue) -> list[int]:
@@ -153,12 +153,12 @@ def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec
     for buckets in (False, True):
         eng = Engine(model.params, spec, slots=8, max_length=128, prefill_chunk=64, buckets=buckets, prefill_batch=1)
         assert eng.groups == [(0, 8)] and eng.buckets == buckets
-        compiled = engine_mod.decode_slots._cache_size()
+        compiled = engine_mod.decode_step._cache_size()
         steps, live, trace = 0, {}, []
         while steps < 70:
             for i, (at, _) in enumerate(plan):
                 if at == steps and eng.has_free_slot():
-                    slot, _tok = eng.admit(batch[i], RowSampling(0.0))
+                    slot, _tok = eng.admit(batch[i], Sampling(0.0))
                     live[slot] = (i, 0)
             out = eng.step()
             trace.append(sorted((live[s][0], t) for s, t in out.items()))
@@ -171,6 +171,6 @@ def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec
             steps += 1
         got[buckets] = trace
         if buckets:
-            assert engine_mod.decode_slots._cache_size() - compiled <= 4  # buckets 1, 2, 4, 8
+            assert engine_mod.decode_step._cache_size() - compiled <= 4  # buckets 1, 2, 4, 8
     assert any(len(t) > 1 for t in got[True]) and any(len(t) == 1 for t in got[True])
     assert got[True] == got[False]

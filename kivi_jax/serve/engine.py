@@ -40,11 +40,11 @@ from jax.sharding import PartitionSpec as P
 
 from kivi_jax import rotation, sharding
 from kivi_jax.cache import SCALE_OVERFLOW, make_cache, tree_bytes
-from kivi_jax.config import parse_cache_spec, spec_name
-from kivi_jax.generate import PREFILL_CHUNK, chunk_size, prefill, prefill_steps
-from kivi_jax.models.llama import Params, forward
-from kivi_jax.serve.sampling import (RowSampling, apply_bitmask, bitmask_width, sample_rows, split_rows,
-                                     token_logprobs)
+from kivi_jax.config import REFERENCE, parse_cache_spec, spec_name
+from kivi_jax.models.decoder import Params
+from kivi_jax.runtime import (PREFILL_CHUNK, chunk_size, decode_step, prefill, prefill_scored, prefill_steps,
+                              sample_first)
+from kivi_jax.sampling import Sampling, bitmask_width, row_settings
 
 DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFILL_BATCH = 8  # prompts prefilled together at most (in power-of-two row counts)
@@ -87,7 +87,7 @@ def capacity_report(spec, cfg, max_length: int, dtype, budget: int, mesh=None) -
     (`slot_bytes_per_device` is what one slot a data shard takes of one device)."""
     out = {"budget_bytes": int(budget), "max_length": max_length}
     data = 1 if mesh is None else sharding.mesh_sizes(mesh)["data"]
-    for name, s in (("cache", spec), ("full", "full")):
+    for name, s in (("cache", spec), ("full", REFERENCE)):
         b = slot_bytes(s, cfg, max_length, dtype)
         out[name] = {"spec": spec_name(parse_cache_spec(s)), "slot_bytes": b, "slots": int(budget // b)}
         if mesh is not None:
@@ -160,54 +160,6 @@ def reset_length(cache, slot: jax.Array):
     return cache.replace(length=cache.length.at[slot].set(0))
 
 
-def _choose(logits, keys, temperature, top_k, top_p, forced, forced_next, constrained, bitmask, wanted):
-    """The next token of every row from float32 logits `[rows, vocab]`: a forced row's `forced_next` (a prompt token
-    being scored), else a draw from the logits under the row's bitmask (when `constrained`). Returns the tokens, their
-    log-probabilities and each row's top alternatives (`token_logprobs`, zeros unless some row is `wanted`) and the
-    keys to continue with (a forced row's key does not advance)."""
-    next_keys, sub = split_rows(keys)
-    sampled = sample_rows(apply_bitmask(logits, bitmask, constrained), sub, temperature, top_k, top_p)
-    chosen = jnp.where(forced, forced_next, sampled)
-    logprob, top_ids, top_logprobs = token_logprobs(logits, chosen, wanted)
-    return chosen, logprob, top_ids, top_logprobs, jnp.where(forced[:, None], keys, next_keys)
-
-
-@jax.jit
-def sample_first(logits, keys, temperature, top_k, top_p, constrained, bitmask, wanted):
-    """The first token of each of a request's choices `[choices]` from its prefill logits `[1, vocab]` and the
-    choices' keys `[choices, 2]`, as `generate` draws it; returns `_choose`'s outputs."""
-    rows = keys.shape[0]
-    none = jnp.zeros((rows,), bool)
-    return _choose(jnp.broadcast_to(logits, (rows, logits.shape[-1])), keys, temperature, top_k, top_p, none,
-                   jnp.zeros((rows,), jnp.int32), constrained, bitmask, wanted)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache", "keys"))
-def decode_slots(params: Params, tokens, live, cache, keys, temperature, top_k, top_p, forced, forced_next,
-                 constrained, bitmask, wanted, rows=None):
-    """One token for every slot: `tokens [slots]`, `live [slots]` bool (other slots advance by 0 tokens) -> (next
-    tokens `[slots]`, their logprobs `[slots]`, top ids and logprobs `[slots, K]`, cache, keys); see `_choose`.
-    With `rows [B]` (a bucket: slot indices, those past the slots padding) every per-row input and output is for
-    those rows only, and only they are computed (`forward`'s `rows`); the other slots are left as they were."""
-    logits, cache = forward(params, tokens[:, None], cache, num_new=live.astype(jnp.int32), rows=rows)
-    row_keys = keys if rows is None else keys.at[rows].get(mode="fill", fill_value=0)  # [rows, 2]
-    chosen, logprob, top_ids, top_logprobs, row_keys = _choose(logits[:, 0], row_keys, temperature, top_k, top_p,
-                                                               forced, forced_next, constrained, bitmask, wanted)
-    keys = row_keys if rows is None else keys.at[rows].set(row_keys, mode="drop")
-    return chosen, logprob, top_ids, top_logprobs, cache, keys
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def prefill_scored_chunk(params: Params, tokens, num_new, cache, targets, last, last_at):
-    """One prompt chunk `tokens [1, C]` (`num_new [1]` real) onto the cache, scoring every position's prediction of
-    `targets [1, C]` (the next prompt token): (logprobs `[C]`, top ids and logprobs `[C, K]`, the logits after the
-    prompt's last token `[1, vocab]` (kept from `last` unless it is at `last_at` in this chunk), cache)."""
-    logits, cache = forward(params, tokens, cache, num_new=num_new)  # [1, C, vocab]
-    logprob, top_ids, top_logprobs = token_logprobs(logits[0], targets[0], jnp.ones((1,), bool))
-    last = jnp.where(last_at >= 0, logits[:, jnp.maximum(last_at, 0)], last)
-    return logprob, top_ids, top_logprobs, last, cache
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The engine
 
@@ -243,7 +195,7 @@ class Waiting:
     (`logprobs`) and each choice's grammar matcher (or None)."""
 
     prompt: list[int]
-    samplings: Sequence[RowSampling]
+    samplings: Sequence[Sampling]
     logprobs: bool = False
     constraints: Sequence | None = None
 
@@ -256,7 +208,7 @@ class PrefillJob:
     requests: list[Waiting]
     slots: list[list[int]]  # reserved slots, one a choice, per request
     rows: int
-    chunks: object  # the `generate.prefill_steps` iterator
+    chunks: object  # the `runtime.prefill_steps` iterator
     chunks_left: int
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
     cache: object = None
@@ -267,7 +219,7 @@ class Slot:
     state: str = FREE
     tokens: list[int] = dataclasses.field(default_factory=list)  # the tokens the slot's cache holds (fed tokens)
     last: int = 0  # the token to feed next (sampled or a prompt token, not yet in the cache)
-    sampling: RowSampling = RowSampling(0.0)
+    sampling: Sampling = Sampling(0.0)
     used_at: float = 0.0  # when it last changed (the least recently used held slot is evicted first)
     forced: collections.deque = dataclasses.field(default_factory=collections.deque)  # prompt tokens to score yet
     logprobs: bool = False  # report each token's logprob and top alternatives
@@ -476,32 +428,11 @@ class Engine:
     def prefill_scored(self, tokens: list[int], targets: list[int]):
         """Prefills `tokens` onto a fresh one-sequence cache, scoring each position's prediction of `targets` (as
         long as `tokens`; the next prompt token at each) -> (scores `[Out]`, the logits after the last token
-        `[1, vocab]`, the cache). Chunks as `generate.prefill` makes them."""
-        n = len(tokens)
-        size = chunk_size(n, self.prefill_chunk)
-        n_chunks = -(-n // size)
-        pad = self.cfg.pad_id
-        tokens = np.asarray(tokens + [pad] * (n_chunks * size - n), np.int32)[None]
-        targets = np.asarray(targets + [pad] * (n_chunks * size - n), np.int32)[None]
-        put = jnp.asarray if self.mesh is None else functools.partial(sharding.put_batch, mesh=self.mesh)
-        cache, last = self.fresh_cache(), put(np.zeros((1, self.cfg.vocab_size), np.float32))
-        pieces = []
+        `[1, vocab]`, the cache). Chunks as `runtime.prefill` makes them."""
         with sharding.use_mesh(self.mesh):
-            for c in range(n_chunks):
-                lo = c * size
-                at = n - 1 - lo if lo <= n - 1 < lo + size else -1
-                lp, ids, top, last, cache = prefill_scored_chunk(
-                    self.params, put(tokens[:, lo : lo + size]), put(np.asarray([min(size, n - lo)], np.int32)),
-                    cache, put(targets[:, lo : lo + size]), last, jnp.int32(at))
-                pieces.append((lp, ids, top))
-        scores = []
-        for c, (lp, ids, top) in enumerate(pieces):
-            lp, ids, top = np.asarray(lp), np.asarray(ids), np.asarray(top)
-            for j in range(min(size, n - c * size)):
-                t = c * size + j
-                scores.append(Out(int(targets[0, t]), True, float(lp[j]),
-                                  tuple(zip(ids[j].tolist(), top[j].tolist()))))
-        return scores, last, cache
+            scores, last, cache = prefill_scored(self.params, tokens, targets, self.fresh_cache(), self.prefill_chunk,
+                                                 self.mesh)
+        return [Out(t, True, lp, top) for t, lp, top in scores], last, cache
 
     def _masks(self, rows: list[Slot], constrained: list[bool], g: int | None = None):
         """The bitmask `[rows, words]` of a group (or of a request's choices, `g` None) and whether any row uses it."""
@@ -513,13 +444,13 @@ class Engine:
                 s.constraint.fill_bitmask(bits[r])
         return (self._put(bits) if g is not None else jnp.asarray(bits)), True
 
-    def admit(self, prompt: list[int], sampling: RowSampling) -> tuple[int, int]:
+    def admit(self, prompt: list[int], sampling: Sampling) -> tuple[int, int]:
         """Prefills `prompt` (reusing a held prefix when one matches), samples its first token and puts it in a slot.
         Returns (slot, first token). The slot is live until `finish`."""
         admitted = self.admit_choices(prompt, [sampling])
         return admitted.slots[0], admitted.first[0].token
 
-    def admit_choices(self, prompt: list[int], samplings: Sequence[RowSampling], *, score_prompt: bool = False,
+    def admit_choices(self, prompt: list[int], samplings: Sequence[Sampling], *, score_prompt: bool = False,
                       logprobs: bool = False, constraints: Sequence | None = None) -> Admitted:
         """Prefills `prompt` once and puts it in one slot per choice (each with its own sampling and key, from its
         seed). Without `score_prompt` a held prefix is reused when one matches and every choice's first token is
@@ -548,7 +479,7 @@ class Engine:
         self.counters["prefix_tokens_reused"] += start
         return admitted
 
-    def check_request(self, prompt: list[int], samplings: Sequence[RowSampling], constraints) -> tuple[int, list]:
+    def check_request(self, prompt: list[int], samplings: Sequence[Sampling], constraints) -> tuple[int, list]:
         """(choices, a constraint or None each) of a request that fits a slot, or ValueError / NoFreeSlot."""
         k = len(samplings)
         constraints = list(constraints) if constraints is not None else [None] * k
@@ -577,11 +508,12 @@ class Engine:
         if done == len(prompt):  # the whole prompt is in: each choice draws its first token from the last logits
             bitmask, _ = self._masks(rows, [c is not None for c in constraints])
             with sharding.use_mesh(self.mesh):
-                out = sample_first(logits, keys, *self._row_arrays(samplings),
+                out = sample_first(logits, keys, *row_settings(samplings),
                                    jnp.asarray([c is not None for c in constraints]), bitmask,
                                    jnp.full((k,), req.logprobs))
-            tokens, lp, ids, top, keys = out
-            first = self._outs(rows, np.asarray(tokens), (lp, ids, top) if req.logprobs else None)
+            keys = out.keys
+            first = self._outs(rows, np.asarray(out.tokens),
+                               (out.logprob, out.top_ids, out.top_logprobs) if req.logprobs else None)
             for r, o in zip(rows, first):
                 r.last = o.token
             self.counters["tokens_generated"] += k
@@ -694,14 +626,6 @@ class Engine:
 
     # -- decode -------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _row_arrays(rows: list[RowSampling], put=jnp.asarray):
-        """Per-row temperature, top-k and top-p, placed by `put` (a batch group's: split over the data axis)."""
-        temperature = put(np.array([r.temperature for r in rows], np.float32))
-        top_k = put(np.array([r.top_k for r in rows], np.int32))
-        top_p = put(np.array([r.top_p for r in rows], np.float32))
-        return temperature, top_k, top_p
-
     def step(self) -> dict[int, int]:
         """Feeds every live slot its last token: {slot: the token it produced} (see `step_scored`)."""
         return {slot: out.token for slot, out in self.step_scored().items()}
@@ -710,7 +634,7 @@ class Engine:
         """Feeds every live slot its last token and samples the next (or takes the next prompt token of a slot still
         scoring its prompt): {slot: Out}. Free and held slots get a pad token and 0 new tokens; a group without a live
         slot is not run. With `buckets` a group computes only its live rows, padded to a power of two (at most the
-        group; `decode_slots`'s `rows`), and the other rows' attention is skipped; otherwise (a mesh) every row."""
+        group; `runtime.decode_step`'s `rows`), and the other rows' attention is skipped; otherwise (a mesh) every row."""
         live = self.live_slots()
         if not live:
             return {}
@@ -725,18 +649,20 @@ class Engine:
             rows = [self.slots[first + i] if i < n else Slot() for i in picked]
             mask = np.array([s.state == LIVE for s in rows])
             tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
-            sampling = [s.sampling if s.state == LIVE else RowSampling(0.0) for s in rows]
+            sampling = [s.sampling if s.state == LIVE else Sampling(0.0) for s in rows]
             forced = np.array([s.state == LIVE and bool(s.forced) for s in rows])
             forced_next = np.array([s.forced[0] if f else 0 for s, f in zip(rows, forced)], np.int32)
             constrained = [s.state == LIVE and s.constraint is not None and not f for s, f in zip(rows, forced)]
             wanted = np.array([s.state == LIVE and s.logprobs for s in rows])
             bitmask, _ = self._masks(rows, constrained, None if bucket else g)
             with sharding.use_mesh(self.mesh):
-                nxt, lp, ids, top, self.caches[g], self.keys[g] = decode_slots(
+                chosen, self.caches[g] = decode_step(
                     self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
-                    *self._row_arrays(sampling, self._put), self._put(forced), self._put(forced_next),
+                    *row_settings(sampling, self._put), self._put(forced), self._put(forced_next),
                     self._put(np.array(constrained)), bitmask, self._put(wanted),
                     jnp.asarray(np.array(picked, np.int32)) if bucket else None)
+            self.keys[g] = chosen.keys
+            nxt, lp, ids, top = chosen.tokens, chosen.logprob, chosen.top_ids, chosen.top_logprobs
             at = [j for j, i in enumerate(picked) if i < n and self.slots[first + i].state == LIVE]
             pending.append(([first + picked[j] for j in at], at, nxt, (lp, ids, top) if wanted.any() else None))
         out = {}

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from kivi_jax.serve import grammar as grammar_mod
 from kivi_jax.serve.engine import Out
-from kivi_jax.serve.sampling import MAX_LOGPROBS, RowSampling
+from kivi_jax.sampling import MAX_LOGPROBS, Sampling
 from kivi_jax.serve.scheduler import (DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, SHUTTING_DOWN,
                                       TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler, ShuttingDown)
 
@@ -149,7 +149,7 @@ def _shutting_down(message: str | None = None) -> APIError:
 class Parsed:
     """A validated request: prompt token ids and everything the scheduler needs."""
 
-    def __init__(self, prompt: list[int], max_tokens: int | None, sampling: RowSampling, stop: tuple[str, ...],
+    def __init__(self, prompt: list[int], max_tokens: int | None, sampling: Sampling, stop: tuple[str, ...],
                  stream: bool, include_usage: bool, token_ids: bool, n: int = 1, logprobs: int | None = None,
                  echo: bool = False, stop_token_ids: frozenset[int] = frozenset(), grammar=None,
                  continuous_usage: bool = False):
@@ -304,14 +304,13 @@ class API:
             raise _bad(key, f"{key} must be a positive integer (0 only with echo: the prompt alone), not "
                             f"{_show(max_tokens)}")
         top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)
-        sampling = RowSampling(
-            temperature=float(_number(body, "temperature", 1.0, 0, 2)),
+        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+        sampling = Sampling(
+            temperature=float(_number(body, "temperature", 1.0, 0, 2)),  # OpenAI's default temperature: 1
             top_p=float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)),
             top_k=max(top_k, 0),  # -1 (vLLM) and 0 both mean no cut
-            seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
+            seed=None if seed is None else seed % (1 << 31),
         )
-        if sampling.seed is not None:
-            sampling = RowSampling(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed % (1 << 31))
         stop = body.get("stop")
         if stop is None:
             stop = ()

@@ -17,6 +17,8 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from kivi_jax.config import is_reference
+
 PROMPTS = (
     "What is the capital of France?",
     "Name three primary colors.",
@@ -145,11 +147,11 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Each row's throughput and latencies over the full cache's at the same client count (same run)."""
-    full = {r["clients"]: r for r in rows if r["cache"] == "full"}
+    full = {r["clients"]: r for r in rows if is_reference(r["cache"])}
     keys = ("requests_per_s", "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
     for r in rows:
         f = full.get(r["clients"])
-        r["ratio_vs_full"] = None if f is None or r["cache"] == "full" else {
+        r["ratio_vs_full"] = None if f is None or is_reference(r["cache"]) else {
             k: (round(r[k] / f[k], 3) if r[k] is not None and f[k] else None) for k in keys}
     return rows
 

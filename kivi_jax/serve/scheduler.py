@@ -22,8 +22,9 @@ import traceback
 import uuid
 from typing import Callable
 
+from kivi_jax.runtime import Stop, TextStream
+from kivi_jax.sampling import Sampling
 from kivi_jax.serve.engine import Admitted, Engine, Out, PrefillJob, Waiting
-from kivi_jax.serve.sampling import RowSampling
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # as text-generation-inference's payload limit: far past any prompt a slot holds
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after SIGTERM
@@ -74,12 +75,11 @@ class Choice:
     """One of a request's n answers: its own slot, key chain, tokens, text and grammar state."""
 
     index: int
-    sampling: RowSampling
+    sampling: Sampling
     generated: list[int] = dataclasses.field(default_factory=list)
     scores: list[Out] = dataclasses.field(default_factory=list)  # one per generated token (with logprobs)
     prompt_scores: list[Out] = dataclasses.field(default_factory=list)  # score_prompt: one per prompt token after the first
-    text: str = ""  # the text so far (stop-truncated once finished)
-    sent_chars: int = 0
+    text: TextStream | None = None  # the tokens of its text so far and the characters sent (set by the scheduler)
     sent_tokens: int = 0
     finish_reason: str | None = None
     slot: int | None = None
@@ -89,7 +89,7 @@ class Choice:
 class Request:
     prompt: list[int]
     max_tokens: int  # 0 only with score_prompt: the prompt is scored and nothing generated
-    sampling: RowSampling
+    sampling: Sampling
     emit: Callable[[Event], None]
     stop: tuple[str, ...] = ()
     n: int = 1  # choices: the prompt prefilled once, each choice in its own slot (choice_seed for its seed)
@@ -127,20 +127,6 @@ def overflow_warning(spec: str, index: int) -> str:
     return (f"choice {index}: a quantization scale of the {spec} cache overflowed float16 (a key or value beyond its "
             "range); this answer is unreliable. Serve a cache with float32 scales (spec suffix -sf32, e.g. "
             "k2v2-g32-r128-sf32) or the full cache.")
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that may still change: a partial multi-byte character or the start of a stop
-    string."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    keep = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:n]):
-                keep = n
-                break
-    return keep
 
 
 class Scheduler:
@@ -417,12 +403,6 @@ class Scheduler:
         self.count("requests_failed")
         req.emit(Event("error", message=message, status=status))
 
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        with self.tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def _prompt_scored(self, req: Request, choice: Choice, slot: int) -> None:
         """Every prompt token of the choice has its score: hand them over; with max_tokens 0 the choice is done."""
         req.emit(Event("delta", index=choice.index, prompt=choice.prompt_scores))
@@ -442,25 +422,22 @@ class Scheduler:
         choice.generated.append(token)
         if req.logprobs:
             choice.scores.append(out)
-        finish = None
-        if token in self.engine.eos or token in req.stop_token_ids:
-            finish = "stop"
-            text = self._decode(choice.generated[:-1])
-        else:
-            text = self._decode(choice.generated)
-        hits = [i for i in (text.find(s) for s in req.stop) if i >= 0]
-        if hits:
-            finish, text = "stop", text[: min(hits)]
-        if finish is None and len(choice.generated) >= req.max_tokens:
-            finish = "length"
-        choice.text = text
-        end = len(text) if finish else len(text) - held_back(text, req.stop)
+        if choice.text is None:
+            choice.text = TextStream(self.tokenizer, req.stop, self.tokenizer_lock)
+        stop = Stop(self.engine.eos | req.stop_token_ids, req.max_tokens, req.stop)
+        finish = stop.after(token, len(choice.generated))
+        if finish != "stop":  # a stop token is not part of the text
+            choice.text.add(token)
+        text = choice.text.text
+        cut = stop.cut(text)
+        if cut is not None:
+            finish, text = "stop", cut
+        piece = choice.text.piece(final=finish is not None, text=text)
         ids = choice.generated[choice.sent_tokens :]
-        if end > choice.sent_chars or ids:
+        if piece or ids:
             scores = choice.scores[choice.sent_tokens :] if req.logprobs else None
-            req.emit(Event("delta", text=text[choice.sent_chars : max(end, choice.sent_chars)], token_ids=ids,
-                           index=choice.index, logprobs=scores))
-            choice.sent_chars, choice.sent_tokens = max(end, choice.sent_chars), len(choice.generated)
+            req.emit(Event("delta", text=piece, token_ids=ids, index=choice.index, logprobs=scores))
+            choice.sent_tokens = len(choice.generated)
         if finish:
             self._finish(req, choice, slot, finish)
 

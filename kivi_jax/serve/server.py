@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kivi_jax import sharding
-from kivi_jax.config import parse_cache_spec, spec_name
+from kivi_jax.config import is_reference, parse_cache_spec, spec_name
 from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, Engine, capacity_report
 from kivi_jax.serve.scheduler import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, Scheduler  # noqa: F401
 
@@ -51,10 +51,10 @@ class Server:
         line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
                 f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
         full = c["full"]
-        if e.spec != "full" and "budget_bytes" in c:
+        if not is_reference(e.spec) and "budget_bytes" in c:
             line += (f"; the budget of {format_bytes(c['budget_bytes'])} would fit {full['slots']} slots of the "
                      f"full-precision cache ({format_bytes(full['slot_bytes'])} a slot)")
-        elif e.spec != "full":
+        elif not is_reference(e.spec):
             line += (f"; the full-precision cache would take {format_bytes(full['slot_bytes'])} a slot, "
                      f"{format_bytes(full['slot_bytes'] * e.num_slots)} in all")
         line += f"; prompts prefilled in chunks of {e.prefill_chunk} tokens"

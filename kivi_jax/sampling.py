@@ -1,38 +1,77 @@
-"""Per-row sampling for a batch of slots: each row has its own temperature, top-k, top-p and random key.
+"""Sampling: the one `Sampling` type and the per-row draw every decode road uses (`kivi_jax.runtime`).
 
-`kivi_jax.generate.sample_tokens` takes one static `Sampling` for the whole batch; a serving batch mixes requests, so
-here the settings are arrays `[batch]`. A row with temperature 0 is exactly `argmax`; a sampled row draws what
-`sample_tokens` would draw with that row's settings and key (the same masking, the same `jax.random.categorical`).
+A batch mixes requests, so a draw takes each row's settings as arrays `[rows]`. A row with temperature 0 is exactly
+`argmax`. The random key is either one chain per row (`keys [rows, 2]`: a request's draws are its own, whatever runs
+beside it) or one chain for the whole batch (`keys [2]`: `generate`'s batch, one categorical draw over all rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """`value` as an int, or a clear error: an integer (not a bool, not a float such as 2.5) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an integer{'' if minimum is None else f' >= {minimum}'}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+    return int(value)
+
+
+def check_number(name: str, value) -> float:
+    """`value` as a float, or a clear error: a finite real number (not nan or inf, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number (not nan or inf)")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
-class RowSampling:
-    """One request's sampling settings (OpenAI's names; `top_k` 0 = no cut; `seed` None = a random one)."""
+class Sampling:
+    """How a sequence's next token is chosen: greedy when temperature is 0, else a draw after the top-k / top-p cut
+    (`top_k` 0: no cut; `top_p` 1: no cut). `seed` starts the sequence's own key chain (None: the caller's, or a
+    random one)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 0.0
     top_k: int = 0
+    top_p: float = 1.0
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
+        check_number("temperature", self.temperature)
+        check_number("top_p", self.top_p)
+        check_int("top_k", self.top_k)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0)
+        if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 means no top-k cut)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+GREEDY = Sampling()
+
+
+def row_settings(samplings, put=jnp.asarray):
+    """Per-row `(temperature [rows], top_k [rows], top_p [rows])` of a list of Samplings, placed by `put` (on a mesh:
+    split over the data axis)."""
+    temperature = put(np.array([s.temperature for s in samplings], np.float32))
+    top_k = put(np.array([s.top_k for s in samplings], np.int32))
+    top_p = put(np.array([s.top_p for s in samplings], np.float32))
+    return temperature, top_k, top_p
 
 
 def _cut(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -55,7 +94,8 @@ def _cut(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax
 def sample_rows(
     logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> jax.Array:
-    """Next tokens `[batch]` int32 from float32 logits `[batch, vocab]`, keys `[batch, 2]` and per-row settings
+    """Next tokens `[batch]` int32 from float32 logits `[batch, vocab]`, keys (`[batch, 2]`: a chain a row; `[2]`: one
+    for the batch, a single categorical draw over every row) and per-row settings
     `temperature [batch]` (0 = greedy), `top_k [batch]` int (0 = none), `top_p [batch]` (1 = none).
 
     The random draw runs only when some row samples, and the sort behind top-k/top-p only when some sampled row asks
@@ -67,16 +107,30 @@ def sample_rows(
     def draw():
         plain = logits / jnp.where(sampled_row, temperature, 1.0)[:, None]
         x = jax.lax.cond(needs_cut, lambda: _cut(logits, temperature, top_k, top_p), lambda: plain)
-        sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, x).astype(jnp.int32)
+        if keys.ndim == 1:
+            sampled = jax.random.categorical(keys, x).astype(jnp.int32)
+        else:
+            sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, x).astype(jnp.int32)
         return jnp.where(sampled_row, sampled, greedy)
 
     return jax.lax.cond(jnp.any(sampled_row), draw, lambda: greedy)
 
 
 def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's key `[batch, 2]` -> (its next key, the subkey to sample with), as `generate` splits its key."""
+    """Each row's key `[batch, 2]` (or the batch's one key `[2]`) -> (its next key, the subkey to sample with)."""
+    if keys.ndim == 1:
+        pairs = jax.random.split(keys)  # [2, 2]
+        return pairs[0], pairs[1]
     pairs = jax.vmap(jax.random.split)(keys)  # [batch, 2, 2]
     return pairs[:, 0], pairs[:, 1]
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Next tokens `[batch]` from float32 logits `[batch, vocab]`, every row under one `sampling` and one key `[2]`."""
+    rows = logits.shape[0]
+    settings = (jnp.full((rows,), sampling.temperature, jnp.float32), jnp.full((rows,), sampling.top_k, jnp.int32),
+                jnp.full((rows,), sampling.top_p, jnp.float32))
+    return sample_rows(logits, key, *settings)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
