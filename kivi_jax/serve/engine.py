@@ -349,6 +349,14 @@ class Engine:
         """Bytes of the slots that hold something (live or held)."""
         return self.slot_bytes * (self.num_slots - self.count(FREE))
 
+    def room(self, prompt_tokens: int) -> int:
+        """Tokens a slot has left after a prompt of this many (what max_tokens defaults to), or ValueError when the
+        prompt leaves none."""
+        if prompt_tokens >= self.max_length:
+            raise ValueError(f"the prompt has {prompt_tokens} tokens: a slot holds {self.max_length} tokens, prompt and "
+                             f"output together; shorten the prompt to at most {self.max_length - 1} tokens")
+        return self.max_length - prompt_tokens
+
     def check_fits(self, prompt_tokens: int, max_tokens: int, least: int = 1) -> None:
         """Raises ValueError (with the limits) unless a prompt of this many tokens plus `max_tokens` fits a slot
         (`max_tokens` at least `least`: 0 for a prompt that is only scored)."""

@@ -377,13 +377,9 @@ class API:
         n = len(parsed.prompt)
         if n < 1:
             raise _bad(param, "the prompt has no tokens")
-        if parsed.max_tokens is None:
-            if n >= self.engine.max_length:
-                raise APIError(400, f"the prompt has {n} tokens: a slot holds {self.engine.max_length} tokens, prompt "
-                                    f"and output together; shorten the prompt to at most {self.engine.max_length - 1} "
-                                    "tokens", param=param, code="context_length_exceeded")
-            parsed.max_tokens = self.engine.max_length - n  # the rest of the slot
         try:
+            if parsed.max_tokens is None:
+                parsed.max_tokens = self.engine.room(n)  # the rest of the slot
             self.engine.check_fits(n, parsed.max_tokens, least=0)
         except ValueError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
