@@ -270,3 +270,30 @@ def test_a_scale_overflow_reaches_the_client_as_a_warning(model, served):
         assert [c["warnings"] for c in chunks if "warnings" in c] == [warnings]
     healthy = post(served[1], {"prompt": prompt, "max_tokens": 3, "temperature": 0})
     assert healthy.status_code == 200 and "warnings" not in healthy.json()
+
+
+GRAMMAR_IMPORT = """
+import faulthandler
+faulthandler.enable()
+from kivi_jax.serve import grammar
+before = grammar.fault_handler_addresses()
+{how}
+print("kept" if grammar.fault_handler_addresses() == before else "changed")
+"""
+
+
+@pytest.mark.parametrize("how, want", [("import xgrammar", "changed"), ("grammar._xgrammar()", "kept")])
+def test_the_grammar_import_keeps_the_processs_fault_handlers(how, want):
+    """xgrammar's tvm_ffi installs a SIGSEGV handler at load that backtraces with the C++ unwinder and deadlocks when
+    the fault is inside it (a test worker hung so instead of crashing); imported through kivi_jax, the process keeps
+    its handlers. A plain import shows the check sees the change."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", GRAMMAR_IMPORT.format(how=how)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == want

@@ -29,12 +29,58 @@ class GrammarError(ValueError):
     """A response_format that cannot be compiled (an invalid or unsupported schema)."""
 
 
+FAULT_SIGNALS = ("SIGSEGV", "SIGBUS")
+
+
+def fault_handlers() -> dict[str, bytes] | None:
+    """The process's handlers of FAULT_SIGNALS as raw `struct sigaction` bytes (POSIX; None elsewhere)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    out = {}
+    for name in FAULT_SIGNALS:
+        buf = ctypes.create_string_buffer(256)  # larger than any platform's struct sigaction
+        if libc.sigaction(int(getattr(signal, name)), None, buf) != 0:
+            return None
+        out[name] = buf.raw
+    return out
+
+
+def fault_handler_addresses() -> dict[str, int] | None:
+    """The address of each FAULT_SIGNALS handler (`sa_handler`, the first member of `struct sigaction`), for checks."""
+    import ctypes
+
+    saved = fault_handlers()
+    return None if saved is None else {k: ctypes.c_void_p.from_buffer_copy(v[:8]).value for k, v in saved.items()}
+
+
+def _restore_fault_handlers(saved: dict[str, bytes] | None) -> None:
+    import ctypes
+    import signal
+
+    if saved is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name, raw in saved.items():
+        libc.sigaction(int(getattr(signal, name)), ctypes.create_string_buffer(raw, len(raw)), None)
+
+
 def _xgrammar():
+    """xgrammar, imported with the process's fault handlers kept: its tvm_ffi library installs a SIGSEGV handler at
+    load that backtraces with the C++ unwinder, which deadlocks when the fault is inside the unwinder (seen here: an
+    XLA:CPU compile error being unwound), so a crash would hang the process instead of ending it."""
+    saved = fault_handlers()
     try:
         import xgrammar
     except ImportError as e:
+        _restore_fault_handlers(saved)
         raise GrammarUnavailable(f"response_format needs the grammar extra (xgrammar), which is not installed ({e}); "
                                  f"install it: {GRAMMAR_EXTRA}") from None
+    _restore_fault_handlers(saved)
     return xgrammar
 
 
