@@ -70,6 +70,19 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
+def fault_handlers_kept():
+    """A test that loads a library installing its own SIGSEGV/SIGBUS handler (xgrammar's tvm_ffi does, through a plain
+    import) gets the worker's handlers back after it: tvm_ffi's deadlocks inside the C++ unwinder, which turned an
+    XLA:CPU compiler crash into a worker hung at 0% CPU instead of a crash the crash-only rerun takes."""
+    from kivi_jax.serve import grammar
+
+    saved, where = grammar.fault_handlers(), grammar.fault_handler_addresses()
+    yield
+    if saved is not None and grammar.fault_handler_addresses() != where:
+        grammar._restore_fault_handlers(saved)
+
+
+@pytest.fixture(autouse=True)
 def compile_fast(request):
     """Every test compiles with few optimizations, except the real-model tests (marked `slow`)."""
     import jax
