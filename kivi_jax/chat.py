@@ -103,7 +103,7 @@ class Chat:
                 token = int(step.tokens[0])
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - t0
-                if token < 0 or token in self.params.config.eos_token_ids:
+                if token in self.params.config.eos_token_ids:
                     break
                 text.add(token)
                 self.ids.append(token)

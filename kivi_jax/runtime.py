@@ -436,12 +436,13 @@ def run(state: Run, first, max_new_tokens: int, stop_ids=(), feed_last: bool = F
         raise_cache_errors(state.cache)
         host = np.asarray(nxt)[:batch]
         out = np.where(done, -1, host)
-        done = done | np.isin(host, stop_ids)
+        stopped = np.isin(host, stop_ids)
+        done = done | stopped
         last = i == max_new_tokens - 1
         if last:
             done[:] = True
         step = Step(i, out, done.copy())
-        fed = (out >= 0) & ~np.isin(host, stop_ids) if last and feed_last else ~done
+        fed = (out >= 0) & ~stopped if last and feed_last else ~done
         if not feed_first:
             yield step
         if fed.any():

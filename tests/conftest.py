@@ -76,9 +76,9 @@ def fault_handlers_kept():
     XLA:CPU compiler crash into a worker hung at 0% CPU instead of a crash the crash-only rerun takes."""
     from kivi_jax.serve import grammar
 
-    saved, where = grammar.fault_handlers(), grammar.fault_handler_addresses()
+    saved = grammar.fault_handlers()
     yield
-    if saved is not None and grammar.fault_handler_addresses() != where:
+    if saved is not None and grammar.fault_handler_addresses() != grammar.fault_handler_addresses(saved):
         grammar._restore_fault_handlers(saved)
 
 

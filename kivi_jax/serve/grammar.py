@@ -50,11 +50,12 @@ def fault_handlers() -> dict[str, bytes] | None:
     return out
 
 
-def fault_handler_addresses() -> dict[str, int] | None:
-    """The address of each FAULT_SIGNALS handler (`sa_handler`, the first member of `struct sigaction`), for checks."""
+def fault_handler_addresses(saved: dict[str, bytes] | None = None) -> dict[str, int] | None:
+    """The address of each FAULT_SIGNALS handler (`sa_handler`, the first member of `struct sigaction`) in `saved`
+    (`fault_handlers()`'s result; None: the process's now), for checks."""
     import ctypes
 
-    saved = fault_handlers()
+    saved = fault_handlers() if saved is None else saved
     return None if saved is None else {k: ctypes.c_void_p.from_buffer_copy(v[:8]).value for k, v in saved.items()}
 
 

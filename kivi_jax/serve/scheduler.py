@@ -96,6 +96,7 @@ class Request:
     logprobs: bool = False  # every token's logprob and top alternatives
     score_prompt: bool = False  # echo with logprobs: the prompt's own tokens scored (kivi_jax.serve.engine)
     stop_token_ids: frozenset[int] = frozenset()  # end a choice like an EOS (not part of its text)
+    ends: Stop | None = None  # the stop rule (EOS and stop ids, max_tokens, stop strings), made at its first token
     grammar: object = None  # kivi_jax.serve.grammar.Grammar: each choice's output held to it
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -424,7 +425,9 @@ class Scheduler:
             choice.scores.append(out)
         if choice.text is None:
             choice.text = TextStream(self.tokenizer, req.stop, self.tokenizer_lock)
-        stop = Stop(self.engine.eos | req.stop_token_ids, req.max_tokens, req.stop)
+        if req.ends is None:
+            req.ends = Stop(self.engine.eos | req.stop_token_ids, req.max_tokens, req.stop)
+        stop = req.ends
         finish = stop.after(token, len(choice.generated))
         if finish != "stop":  # a stop token is not part of the text
             choice.text.add(token)
