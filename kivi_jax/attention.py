@@ -194,7 +194,7 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
     Returns `[batch, T, q_heads, head_dim]`."""
     kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
     rows = group_queries(q, positions, kv_heads)
-    block = block_size(num_tokens, 1, block)
+    block = block_size(num_tokens, getattr(k_cache, "block_multiple", 1), block)  # whole pages of a paged cache
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = stored_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
@@ -411,12 +411,12 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     native kernel's integer mode does (`quantized_scores`, `quantized_values` with the key group as the chunk).
     Returns `[batch, T, q_heads, head_dim]` in q's dtype.
     """
-    kv_heads, num_tokens = k_store.codes.shape[-3], k_store.codes.shape[-2]
+    kv_heads, num_tokens = k_store.kv_heads, k_store.max_tokens
     residual = k_ring.shape[2]
     num_sinks = 0 if sinks is None else sinks[0].shape[2]
     rows = group_queries(q, positions, kv_heads)
     main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
-    block = block_size(num_tokens, max(k_store.group_size, v_store.group_size), block)  # whole per-channel groups
+    block = block_size(num_tokens, max(k_store.block_multiple, v_store.block_multiple), block)  # whole groups, pages
     state = Softmax.empty(rows.q)
     if num_sinks:
         state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap)
@@ -519,6 +519,7 @@ def use_native(impl: str, full: bool = False) -> bool:
 INT8_REASON = "this build of the native kernel has no integer mode (it needs AVX-512 BW and VBMI): it computes in float32"
 CODEBOOK_REASON = "the Pallas kernels read uniform codes, not codebook levels (-nuqk/-nuqv): the XLA path serves them"
 SOFTCAP_REASON = "no kernel soft-caps attention logits (Gemma 2)"
+PAGED_REASON = "the kernels do not read through a block table yet (a paged cache)"
 
 
 def fall_back(impl: str, reason: str) -> None:
@@ -563,6 +564,9 @@ def decode_full(impl: str, q, k_cache, v_cache, layer, length, k_new, v_new, win
     The kernel reads the stacked cache in place (the layer is an index it reads) and masks the sliding window;
     shapes it cannot take (`full_decode.unsupported`) and soft-capped logits run the XLA path.
     """
+    if not isinstance(k_cache, jax.Array):  # a paged cache's view
+        fall_back(impl, PAGED_REASON)
+        return decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, softcap=softcap)
     if softcap is not None:
         fall_back(impl, SOFTCAP_REASON)
     elif use_pallas(impl):
@@ -601,7 +605,9 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
-    if softcap is not None:
+    if k_store.paged:
+        fall_back(impl, PAGED_REASON)
+    elif softcap is not None:
         fall_back(impl, SOFTCAP_REASON)
     elif use_pallas(impl, tpu_kernel=True) and (k_store.levels is not None or v_store.levels is not None):
         fall_back(impl, CODEBOOK_REASON)
@@ -617,7 +623,7 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
                     group_size=k_store.group_size, window=window, k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq,
                 )
         fall_back(impl, reason)
-    if softcap is None and use_native(impl):
+    if softcap is None and not k_store.paged and use_native(impl):
         from kivi_jax import native
 
         reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2],

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kivi_jax import attention, layout, quant, rotation, sharding
+from kivi_jax import attention, layout, paged, quant, rotation, sharding
 from kivi_jax.cache8 import Dense8Cache, dense8_cache_bytes
 from kivi_jax.config import Dense8Config, KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import ModelConfig
@@ -47,23 +47,52 @@ class FullCache:
     length: jax.Array  # [batch] int32
     error_flags: jax.Array  # [batch] int32, bits BAD_TOKEN | PAST_CAPACITY
     impl: str = struct.field(pytree_node=False, default="auto")
+    # Paged (`pages=P` at create): `k` and `v` are pools `[layers, P, kv_heads, page_tokens, head_dim]` read and
+    # written through this block table `[batch, max_tokens // page_tokens]` int32 (entry P: no page).
+    table: jax.Array | None = None
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto") -> "FullCache":
+    def create(cls, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto",
+               pages: int | None = None, page_tokens: int = paged.FULL_PAGE_TOKENS) -> "FullCache":
         if max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_tokens, cfg.head_dim)
+        shape, table = (cfg.num_layers, batch, cfg.num_kv_heads, max_tokens, cfg.head_dim), None
+        if pages is not None:
+            check_pages(pages)
+            if max_tokens % page_tokens:
+                raise ValueError(f"max_tokens={max_tokens}: a paged full-precision cache holds whole pages of "
+                                 f"{page_tokens} tokens; round it up to {-(-max_tokens // page_tokens) * page_tokens}")
+            shape = (cfg.num_layers, pages, cfg.num_kv_heads, page_tokens, cfg.head_dim)
+            table = paged.empty_table(batch, max_tokens // page_tokens, pages)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             length=jnp.zeros((batch,), jnp.int32),
             error_flags=jnp.zeros((batch,), jnp.int32),
             impl=check_impl(impl),
+            table=table,
         )
 
     @property
     def max_tokens(self) -> int:
-        return self.k.shape[3]
+        """Tokens one sequence may hold (a paged cache: its table's pages)."""
+        return self.k.shape[3] if self.table is None else self.table.shape[1] * self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int | None:
+        """Pages in a paged cache's pool (None: contiguous)."""
+        return None if self.table is None else self.k.shape[1]
+
+    def with_table(self, table: jax.Array) -> "FullCache":
+        """The paged cache reading and writing through `table [batch, max_tokens // page_tokens]`."""
+        return self.replace(table=jnp.asarray(table, jnp.int32).reshape(self.table.shape))
+
+    def stores(self) -> tuple:
+        """Keys and values as attention reads them: the stacks, or the pools through the table (rows past each
+        sequence's length read as zeros)."""
+        if self.table is None:
+            return self.k, self.v
+        return paged.PagedRows(self.k, self.table, self.length), paged.PagedRows(self.v, self.table, self.length)
 
     @property
     def nbytes(self) -> int:
@@ -82,19 +111,23 @@ class FullCache:
         """New tokens' attention over this layer (keys rotated here, then stored after RoPE) and their rows."""
         k = rope(k, positions).astype(self.k.dtype)
         v = v.astype(self.v.dtype)
-        out = attention.attend_full(self.impl, q, positions, self.k, self.v, layer, self.length, k, v, num_new, window,
-                                    softcap)
+        k_cache, v_cache = self.stores()
+        out = attention.attend_full(self.impl, q, positions, k_cache, v_cache, layer, self.length, k, v, num_new,
+                                    window, softcap)
         return out, FullUpdate(heads_first(k), heads_first(v))
 
     def commit(self, updates: FullUpdate, num_new: jax.Array) -> "FullCache":
         num_new = num_new.astype(jnp.int32)
         rows = new_rows(self.length, num_new, updates.k.shape[3], self.max_tokens)
-        return self.replace(
-            k=scatter_rows(self.k, rows, updates.k),
-            v=scatter_rows(self.v, rows, updates.v),
-            length=self.length + num_new,
-            error_flags=self.error_flags | capacity_flags(self.length, num_new, self.max_tokens),
-        )
+        flags = capacity_flags(self.length, num_new, self.max_tokens)
+        if self.table is None:
+            k, v = scatter_rows(self.k, rows, updates.k), scatter_rows(self.v, rows, updates.v)
+        else:
+            k_pages, v_pages = self.stores()
+            k, v = k_pages.write_rows(rows, updates.k), v_pages.write_rows(rows, updates.v)
+            unheld = paged.unheld_writes(self.table, rows, k_pages.page_tokens, self.num_pages)
+            flags = flags | jnp.where(unheld, PAST_CAPACITY, 0)
+        return self.replace(k=k, v=v, length=self.length + num_new, error_flags=self.error_flags | flags)
 
     def attending(self, live: jax.Array) -> "FullCache":
         """The cache as a step over only the `live [batch]` rows attends to it (the others empty)."""
@@ -102,6 +135,10 @@ class FullCache:
 
     def grown(self, max_tokens: int) -> "FullCache":
         """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
+        if self.table is not None:  # more table entries, holding no page yet
+            page = self.k.shape[3]
+            extra = paged.empty_table(self.table.shape[0], -(-max_tokens // page) - self.table.shape[1], self.num_pages)
+            return self.replace(table=jnp.concatenate([self.table, extra], axis=1))
         pad = [(0, 0)] * 3 + [(0, max_tokens - self.max_tokens), (0, 0)]
         return self.replace(k=jnp.pad(self.k, pad), v=jnp.pad(self.v, pad))
 
@@ -140,6 +177,7 @@ class QuantStore:
     group_size: int = struct.field(pytree_node=False)
     axis: str = struct.field(pytree_node=False)
     levels: tuple | None = struct.field(pytree_node=False, default=None)
+    paged = False  # a PagedStore reads through a block table
 
     @classmethod
     def zeros(cls, lead: tuple, max_tokens: int, head_dim: int, bits: int, group_size: int, axis: str, scale_dtype,
@@ -161,6 +199,15 @@ class QuantStore:
     @property
     def max_tokens(self) -> int:
         return self.codes.shape[-2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.codes.shape[-3]
+
+    @property
+    def block_multiple(self) -> int:
+        """Attention's blocks of this store are a multiple of this many tokens (whole groups)."""
+        return self.group_size
 
     def quantized_end(self, length: jax.Array, residual: int) -> jax.Array:
         """Tokens `[0, end)` are quantized once `length` tokens are in (`layout.quantized_end` on this axis)."""
@@ -246,6 +293,67 @@ class QuantStore:
 
 
 @struct.dataclass
+class PagedStore(QuantStore):
+    """A KIVI store (keys or values) read through a block table: `codes`, `scale`, `mn` are the pool (`[layers, pages,
+    kv_heads, page rows, X]`, a page one R-token block), `table [batch, pages_per_sequence]` int32, and `end [batch]`
+    the rows `[0, end)` each sequence has quantized (the rest read as zeros). Built by the cache for a step (never a
+    leaf of it); what attention reads of it are plain one-layer `QuantStore`s, bit-identical to a contiguous cache's."""
+
+    table: jax.Array = None
+    end: jax.Array = None
+    paged = True
+
+    @classmethod
+    def of(cls, pool: QuantStore, table: jax.Array, end: jax.Array) -> "PagedStore":
+        return cls(pool.codes, pool.scale, pool.mn, pool.bits, pool.group_size, pool.axis, pool.levels, table, end)
+
+    @property
+    def page_tokens(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.table.shape[1] * self.page_tokens
+
+    @property
+    def block_multiple(self) -> int:
+        return self.page_tokens
+
+    def pool(self) -> QuantStore:
+        return QuantStore(self.codes, self.scale, self.mn, self.bits, self.group_size, self.axis, self.levels)
+
+    def plain(self, codes, scale, mn) -> QuantStore:
+        return QuantStore(codes, scale, mn, self.bits, self.group_size, self.axis, self.levels)
+
+    def token_slice(self, start, size: int, layer=None) -> QuantStore:
+        """Tokens `[start, start + size)` of one layer (both multiples of the page size) as a one-layer store."""
+        page, n = start // self.page_tokens, size // self.page_tokens
+        g = self.group_size if self.axis == "channel" else 1
+        codes = paged.read_pages(self.codes, layer, self.table, page, n)  # finite whatever they hold: not masked
+        srows = start // g + jnp.arange(size // g)[None, :]
+        end = self.end // g
+        scale = paged.written(paged.read_pages(self.scale, layer, self.table, page, n), srows, end)
+        mn = paged.written(paged.read_pages(self.mn, layer, self.table, page, n), srows, end)
+        return self.plain(codes, scale, mn)
+
+    def gather_rows(self, layer, rows: jax.Array) -> QuantStore:
+        """Token rows `[batch, n]` (whole groups for per-channel) of one layer as a one-layer store."""
+        srows = self.scale_rows(rows)
+        end = self.end // (self.group_size if self.axis == "channel" else 1)
+        return self.plain(paged.read_rows(self.codes, layer, self.table, rows),
+                          paged.written(paged.read_rows(self.scale, layer, self.table, srows), srows, end),
+                          paged.written(paged.read_rows(self.mn, layer, self.table, srows), srows, end))
+
+    def write_rows(self, rows: jax.Array, q) -> "PagedStore":
+        """Writes quantized rows `q` (stacked over layers) at token rows `rows [batch, n]` through the table."""
+        srows = self.scale_rows(rows)
+        return self.replace(codes=paged.write_rows(self.codes, self.table, rows, q.codes),
+                            scale=paged.write_rows(self.scale, self.table, srows, q.scale),
+                            mn=paged.write_rows(self.mn, self.table, srows, q.mn))
+
+
+
+@struct.dataclass
 class KIVIUpdate:
     """One layer's writes for a KIVI cache (stacked over layers after the scan)."""
 
@@ -282,30 +390,41 @@ class KIVICache:
     # layers' bits, and this cache's stores hold layers [n, L). `first` keeps its own copy of length and flags; the
     # top level's are the ones read.
     first: "KIVICache | None" = None
+    # Paged (`pages=P` at create): `k` and `v` are pools of P pages of one R-token block each (their batch axis is
+    # the page axis, their token axis R), read and written through this block table `[batch, max_tokens // R]` int32
+    # (entry P: no page; the host hands pages out, `with_table`). Rings, sinks and counters stay a row a sequence.
+    table: jax.Array | None = None
 
     @classmethod
     def create(
-        cls, cfg: ModelConfig, kivi: KIVIConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto"
+        cls, cfg: ModelConfig, kivi: KIVIConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto",
+        pages: int | None = None,
     ) -> "KIVICache":
         if kivi.first_layers:
             n = kivi.first_layers
             if n >= cfg.num_layers:
                 raise ValueError(f"{kivi.spec} sets the first {n} layers apart, but the model has {cfg.num_layers}; "
                                  f"choose fewer than {cfg.num_layers} (or plain k{kivi.first_k_bits}v{kivi.first_v_bits})")
-            first = cls.create(dataclasses.replace(cfg, num_layers=n), kivi.first(), batch, max_tokens, dtype, impl)
+            first = cls.create(dataclasses.replace(cfg, num_layers=n), kivi.first(), batch, max_tokens, dtype, impl,
+                               pages)
             rest = cls.create(dataclasses.replace(cfg, num_layers=cfg.num_layers - n), kivi.rest(), batch, max_tokens,
-                              dtype, impl)
+                              dtype, impl, pages)
             return rest.replace(config=kivi, first=first)
         kivi.check_shapes(cfg.head_dim, max_tokens)
         lead = (cfg.num_layers, batch, cfg.num_kv_heads)
         sd = quant.SCALE_DTYPES[kivi.scale_dtype]
         d, r = cfg.head_dim, kivi.residual_length
         sink = (lambda: jnp.zeros(lead + (kivi.sinks, d), dtype)) if kivi.sinks else (lambda: None)
+        store_lead, store_tokens, table = lead, max_tokens, None
+        if pages is not None:  # pools of R-token pages and a table that holds none of them yet
+            check_pages(pages)
+            store_lead, store_tokens = (cfg.num_layers, pages, cfg.num_kv_heads), r
+            table = paged.empty_table(batch, max_tokens // r, pages)
         return cls(
-            k=QuantStore.zeros(lead, max_tokens, d, kivi.k_bits, kivi.store_group(kivi.key_axis, d), kivi.key_axis, sd,
-                               kivi.levels("key")),
-            v=QuantStore.zeros(lead, max_tokens, d, kivi.v_bits, kivi.store_group(kivi.value_axis, d), kivi.value_axis,
-                               sd, kivi.levels("value")),
+            k=QuantStore.zeros(store_lead, store_tokens, d, kivi.k_bits, kivi.store_group(kivi.key_axis, d),
+                               kivi.key_axis, sd, kivi.levels("key")),
+            v=QuantStore.zeros(store_lead, store_tokens, d, kivi.v_bits, kivi.store_group(kivi.value_axis, d),
+                               kivi.value_axis, sd, kivi.levels("value")),
             k_ring=jnp.zeros(lead + (r, d), dtype),
             v_ring=jnp.zeros(lead + (r, d), dtype),
             length=jnp.zeros((batch,), jnp.int32),
@@ -314,11 +433,31 @@ class KIVICache:
             impl=check_impl(impl),
             k_sink=sink(),
             v_sink=sink(),
+            table=table,
         )
 
     @property
     def max_tokens(self) -> int:
-        return self.k.max_tokens
+        """Tokens one sequence may hold (a paged cache: its table's pages)."""
+        return self.k.max_tokens if self.table is None else self.table.shape[1] * self.residual
+
+    @property
+    def num_pages(self) -> int | None:
+        """Pages in a paged cache's pool (None: contiguous)."""
+        return None if self.table is None else self.k.codes.shape[1]
+
+    def with_table(self, table: jax.Array) -> "KIVICache":
+        """The paged cache reading and writing through `table [batch, max_tokens // R]` (the host's allocation)."""
+        first = None if self.first is None else self.first.with_table(table)
+        return self.replace(table=jnp.asarray(table, jnp.int32).reshape(self.table.shape), first=first)
+
+    def stores(self) -> tuple:
+        """The key and value stores as attention reads them: the pools through the table for a paged cache (rows
+        past what each sequence has quantized read as zeros)."""
+        if self.table is None:
+            return self.k, self.v
+        r = self.residual
+        return tuple(PagedStore.of(s, self.table, s.quantized_end(self.length, r)) for s in (self.k, self.v))
 
     @property
     def value_basis(self) -> str:
@@ -379,7 +518,8 @@ class KIVICache:
         stored = k.astype(dtype) if kivi.pre_rope else k_rot
         v = v.astype(self.v_ring.dtype)
         sinks = None if self.k_sink is None else (self.k_sink, self.v_sink)
-        out = attention.attend_kivi(self.impl, q, positions, self.k, self.v, layer, self.k_ring, self.v_ring,
+        k_store, v_store = self.stores()
+        out = attention.attend_kivi(self.impl, q, positions, k_store, v_store, layer, self.k_ring, self.v_ring,
                                     self.length, k_rot, v, num_new, window, sinks=sinks,
                                     inv_freq=rope.inv_freq if kivi.pre_rope else None,
                                     softcap=softcap)  # stacks read in place
@@ -426,17 +566,20 @@ class KIVICache:
         r = self.residual
         num_new = num_new.astype(jnp.int32)
         length, new_length = self.length, self.length + num_new
-        stores = {}
-        for name, store in (("k", self.k), ("v", self.v)):
+        stores, unheld = {}, jnp.zeros(length.shape, bool)
+        for name, store in zip(("k", "v"), self.stores()):
             q = getattr(updates, name)  # rows for append_positions: as many as the update carries
             pos = store.append_start(length, r)[:, None] + jnp.arange(q.codes.shape[3], dtype=jnp.int32)[None, :]
             mask = store.write_mask(pos, length, new_length, r)
-            rows = jnp.where(mask, pos, store.max_tokens)
+            rows = jnp.where(mask, pos, self.max_tokens)
             # Skipped when no row is written (a decode step writes key rows once in R steps): even a scatter whose
             # rows are all dropped walks every update element
-            stores[name] = jax.lax.cond(jnp.any(mask), lambda store=store, rows=rows, q=q: store.write_rows(rows, q),
-                                        lambda store=store: store)
-        flags = capacity_flags(length, num_new, self.max_tokens)
+            store = jax.lax.cond(jnp.any(mask), lambda store=store, rows=rows, q=q: store.write_rows(rows, q),
+                                 lambda store=store: store)
+            stores[name] = store if self.table is None else store.pool()
+            if self.table is not None:
+                unheld = unheld | paged.unheld_writes(self.table, rows, r, self.num_pages)
+        flags = capacity_flags(length, num_new, self.max_tokens) | jnp.where(unheld, PAST_CAPACITY, 0)
         flags = flags | jnp.where(jnp.any(updates.bad, axis=0), SCALE_OVERFLOW, 0).astype(jnp.int32)
         # The ring: the new tokens among the newest R after the append go to their slots, in place (a decode step
         # writes one row a layer, not the whole ring)
@@ -466,7 +609,16 @@ class KIVICache:
         """The same contents with room for `max_tokens` tokens (a new allocation; same numbers)."""
         self.config.check_shapes(self.k_ring.shape[-1], max_tokens)
         first = None if self.first is None else self.first.grown(max_tokens)
+        if self.table is not None:  # more table entries, holding no page yet
+            extra = paged.empty_table(self.table.shape[0], max_tokens // self.residual - self.table.shape[1],
+                                      self.num_pages)
+            return self.replace(table=jnp.concatenate([self.table, extra], axis=1), first=first)
         return self.replace(k=self.k.grown(max_tokens), v=self.v.grown(max_tokens), first=first)
+
+
+def check_pages(pages) -> None:
+    if not isinstance(pages, int) or isinstance(pages, bool) or pages <= 0:
+        raise ValueError(f"pages={pages!r}: a paged cache's pool needs a positive whole number of pages")
 
 
 def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array) -> jax.Array:
@@ -502,56 +654,75 @@ def without_sinks(store: QuantStore, pos: jax.Array, x: jax.Array, sinks: int) -
 
 
 def kivi_cache_bytes(
-    cfg: ModelConfig, kivi: KIVIConfig, batch: int, max_tokens: int, compute_bytes: int
+    cfg: ModelConfig, kivi: KIVIConfig, batch: int, max_tokens: int, compute_bytes: int, pages: int | None = None
 ) -> dict[str, int]:
     """docs/design.md §2's byte formula for a KIVI cache, by part (codes, scales and mins, ring, sinks,
-    bookkeeping); per-layer bits add the first layers' part (with its own copy of the bookkeeping)."""
+    bookkeeping); per-layer bits add the first layers' part (with its own copy of the bookkeeping). `pages`: a paged
+    cache, whose codes, scales and mins are a pool of that many R-token pages and whose bookkeeping adds the block
+    table (`[batch, max_tokens // R]` int32)."""
     if kivi.first_layers:
         n = kivi.first_layers
         first = kivi_cache_bytes(dataclasses.replace(cfg, num_layers=n), kivi.first(), batch, max_tokens,
-                                 compute_bytes)
+                                 compute_bytes, pages)
         rest = kivi_cache_bytes(dataclasses.replace(cfg, num_layers=cfg.num_layers - n), kivi.rest(), batch,
-                                max_tokens, compute_bytes)
+                                max_tokens, compute_bytes, pages)
         return {name: first[name] + rest[name] for name in first}
     lbh = cfg.num_layers * batch * cfg.num_kv_heads
     d, r = cfg.head_dim, kivi.residual_length
+    # the quantized part holds `stored` tokens for each of `rows` (sequences, or pages of R tokens)
+    rows, stored = (batch, max_tokens) if pages is None else (pages, r)
+    lrh = cfg.num_layers * rows * cfg.num_kv_heads
     scale_bytes = jnp.dtype(quant.SCALE_DTYPES[kivi.scale_dtype]).itemsize
     # (scale, min) per group: G tokens x 1 channel (per-channel) or 1 token x channel_group channels (per-token)
-    groups = sum(max_tokens * d // kivi.store_group(axis, d) for axis in (kivi.key_axis, kivi.value_axis))
+    groups = sum(stored * d // kivi.store_group(axis, d) for axis in (kivi.key_axis, kivi.value_axis))
+    table = 0 if pages is None else batch * (max_tokens // r) * 4
     parts = {
-        "codes": lbh * max_tokens * d * (kivi.k_bits + kivi.v_bits) // 8,
-        "scales": 2 * lbh * groups * scale_bytes,  # (scale, min) for keys and values
+        "codes": lrh * stored * d * (kivi.k_bits + kivi.v_bits) // 8,
+        "scales": 2 * lrh * groups * scale_bytes,  # (scale, min) for keys and values
         "ring": 2 * lbh * r * d * compute_bytes,
         "sinks": 2 * lbh * kivi.sinks * d * compute_bytes,
-        "bookkeeping": batch * (4 + 4),  # length and error_flags, int32
+        "bookkeeping": batch * (4 + 4) + table,  # length and error_flags, int32 (and the block table)
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
-def full_cache_bytes(cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
-    """Bytes of a full-precision cache: keys and values in the compute dtype plus length and error flags."""
-    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 8 * batch
+def full_cache_bytes(cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int,
+                     pages: int | None = None) -> int:
+    """Bytes of a full-precision cache: keys and values in the compute dtype plus length and error flags (`pages`: a
+    pool of that many `FULL_PAGE_TOKENS`-token pages plus the block table)."""
+    if pages is None:
+        return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_tokens * cfg.head_dim * compute_bytes + 8 * batch
+    page = paged.FULL_PAGE_TOKENS
+    return (2 * cfg.num_layers * pages * cfg.num_kv_heads * page * cfg.head_dim * compute_bytes + 8 * batch
+            + 4 * batch * (max_tokens // page))
 
 
-def make_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None):
+def make_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.float32, impl: str = "auto", mesh=None,
+               pages: int | None = None):
     """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', 'int8', a KIVIConfig); with
-    `mesh` (a Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table."""
+    `mesh` (a Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table; with `pages` a paged cache
+    (a pool of that many pages, `batch` block tables of `max_tokens` tokens each: docs/design.md §12)."""
     spec = parse_cache_spec(spec)
+    if pages is not None and (mesh is not None or isinstance(spec, Dense8Config)):
+        what = "under a mesh" if mesh is not None else f"for {spec.spec}"
+        raise ValueError(f"a paged cache is not offered {what} yet: use the full-precision or a KIVI spec, "
+                         "without a mesh, or drop pages")
     if mesh is not None:
         return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl), mesh)
     if isinstance(spec, KIVIConfig):
-        return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl)
+        return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl, pages)
     if isinstance(spec, Dense8Config):
         return Dense8Cache.create(cfg, spec, batch, max_tokens, dtype, impl)
-    return FullCache.create(cfg, batch, max_tokens, dtype, impl)
+    return FullCache.create(cfg, batch, max_tokens, dtype, impl, pages)
 
 
-def cache_bytes(spec, cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int) -> int:
-    """The byte formula (docs/design.md §2) of a cache of any spec."""
+def cache_bytes(spec, cfg: ModelConfig, batch: int, max_tokens: int, compute_bytes: int,
+                pages: int | None = None) -> int:
+    """The byte formula (docs/design.md §2) of a cache of any spec (`pages`: paged, §12)."""
     spec = parse_cache_spec(spec)
     if isinstance(spec, KIVIConfig):
-        return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes)["total"]
+        return kivi_cache_bytes(cfg, spec, batch, max_tokens, compute_bytes, pages)["total"]
     if isinstance(spec, Dense8Config):
         return dense8_cache_bytes(cfg, spec, batch, max_tokens)["total"]
-    return full_cache_bytes(cfg, batch, max_tokens, compute_bytes)
+    return full_cache_bytes(cfg, batch, max_tokens, compute_bytes, pages)
