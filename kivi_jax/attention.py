@@ -605,9 +605,7 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
     if k_ring.ndim != k_store.codes.ndim:
         raise ValueError(f"rings {k_ring.shape} must be stacked like the stores {k_store.codes.shape} (one layer each "
                          "only with layer=None)")
-    if k_store.paged:
-        fall_back(impl, PAGED_REASON)
-    elif softcap is not None:
+    if softcap is not None:
         fall_back(impl, SOFTCAP_REASON)
     elif use_pallas(impl, tpu_kernel=True) and (k_store.levels is not None or v_store.levels is not None):
         fall_back(impl, CODEBOOK_REASON)
@@ -615,15 +613,19 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
         for kernel in kivi_kernels(pallas_target()):
             reason = kernel.unsupported(q.shape[-1], k_store.bits, v_store.bits, k_store.group_size,
                                         k_ring.shape[-2], k_store.axis, v_store.axis)
+            if reason is None and k_store.paged and not getattr(kernel, "PAGED", False):
+                reason = PAGED_REASON
             if reason is None:
                 k_sink, v_sink = (None, None) if sinks is None else sinks
+                table = {"table": k_store.table} if k_store.paged else {}  # pools read through the block table
                 return kernel.decode(
                     q, k_store.codes, k_store.scale, k_store.mn, v_store.codes, v_store.scale, v_store.mn, k_ring,
                     v_ring, layer, length, k_new, v_new, k_bits=k_store.bits, v_bits=v_store.bits,
                     group_size=k_store.group_size, window=window, k_sink=k_sink, v_sink=v_sink, inv_freq=inv_freq,
+                    **table,
                 )
         fall_back(impl, reason)
-    if softcap is None and not k_store.paged and use_native(impl):
+    if softcap is None and use_native(impl):
         from kivi_jax import native
 
         reason = native.unsupported_kivi(q.dtype, q.shape[-1], k_store, v_store, k_ring.dtype, k_ring.shape[-2],

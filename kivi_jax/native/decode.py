@@ -43,6 +43,8 @@ def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, resid
         return f"scales in {k_store.scale.dtype} / {v_store.scale.dtype} are not served"
     if sinks is not None and jnp.dtype(sinks[0].dtype) != jnp.float32:
         return f"the kernel reads float32 sinks, not {jnp.dtype(sinks[0].dtype).name}"
+    if k_store.paged:
+        return "the native kernel does not read through a block table yet (a paged cache)"
     return None
 
 
