@@ -615,6 +615,8 @@ def decode_kivi(impl: str, q, k_store, v_store, layer, k_ring, v_ring, length, k
                                         k_ring.shape[-2], k_store.axis, v_store.axis)
             if reason is None and k_store.paged and not getattr(kernel, "PAGED", False):
                 reason = PAGED_REASON
+            if reason is None and k_ring.dtype != q.dtype:
+                reason = f"the kernels compute in the ring's dtype: a {k_ring.dtype} ring with {q.dtype} queries"
             if reason is None:
                 k_sink, v_sink = (None, None) if sinks is None else sinks
                 table = {"table": k_store.table} if k_store.paged else {}  # pools read through the block table

@@ -87,6 +87,19 @@ class FullCache:
         """The paged cache reading and writing through `table [batch, max_tokens // page_tokens]`."""
         return self.replace(table=jnp.asarray(table, jnp.int32).reshape(self.table.shape))
 
+    def pages_needed(self, tokens: int) -> int:
+        """Pages a sequence of `tokens` tokens holds in a paged cache: every page a token of it is in."""
+        return -(-tokens // self.k.shape[3])
+
+    def with_sequence(self, seq: "FullCache", row, slot) -> "FullCache":
+        """A paged cache with row `slot` (its table row already set) holding row `row` of the contiguous `seq`:
+        its tokens written into the row's pages, its length and flags copied."""
+        pages = self.table[slot]
+        return self.replace(k=paged.scatter_sequence(self.k, seq.k, row, pages),
+                            v=paged.scatter_sequence(self.v, seq.v, row, pages),
+                            length=paged.copy_row(self.length, seq.length, row, slot, 0),
+                            error_flags=paged.copy_row(self.error_flags, seq.error_flags, row, slot, 0))
+
     def stores(self) -> tuple:
         """Keys and values as attention reads them: the stacks, or the pools through the table (rows past each
         sequence's length read as zeros)."""
@@ -394,6 +407,7 @@ class KIVICache:
     # the page axis, their token axis R), read and written through this block table `[batch, max_tokens // R]` int32
     # (entry P: no page; the host hands pages out, `with_table`). Rings, sinks and counters stay a row a sequence.
     table: jax.Array | None = None
+    compute: str = struct.field(pytree_node=False, default="")  # the compute dtype where the ring's differs (-ringf16)
 
     @classmethod
     def create(
@@ -425,11 +439,12 @@ class KIVICache:
                                kivi.key_axis, sd, kivi.levels("key")),
             v=QuantStore.zeros(store_lead, store_tokens, d, kivi.v_bits, kivi.store_group(kivi.value_axis, d),
                                kivi.value_axis, sd, kivi.levels("value")),
-            k_ring=jnp.zeros(lead + (r, d), dtype),
-            v_ring=jnp.zeros(lead + (r, d), dtype),
+            k_ring=jnp.zeros(lead + (r, d), kivi.ring_dtype or dtype),
+            v_ring=jnp.zeros(lead + (r, d), kivi.ring_dtype or dtype),
             length=jnp.zeros((batch,), jnp.int32),
             error_flags=jnp.zeros((batch,), jnp.int32),
             config=kivi,
+            compute=jnp.dtype(dtype).name if kivi.ring_dtype else "",
             impl=check_impl(impl),
             k_sink=sink(),
             v_sink=sink(),
@@ -450,6 +465,28 @@ class KIVICache:
         """The paged cache reading and writing through `table [batch, max_tokens // R]` (the host's allocation)."""
         first = None if self.first is None else self.first.with_table(table)
         return self.replace(table=jnp.asarray(table, jnp.int32).reshape(self.table.shape), first=first)
+
+    def pages_needed(self, tokens: int) -> int:
+        """Pages a sequence of `tokens` tokens holds in a paged cache: its whole R-token blocks (the ring holds the
+        rest)."""
+        return tokens // self.residual
+
+    def with_sequence(self, seq: "KIVICache", row, slot) -> "KIVICache":
+        """A paged cache with row `slot` (its table row already set) holding row `row` of the contiguous `seq` of the
+        same spec: its quantized blocks written into the row's pages, its ring, sinks, length and flags copied."""
+        pages = self.table[slot]
+        stores = {}
+        for name in ("k", "v"):
+            pool, src = getattr(self, name), getattr(seq, name)
+            stores[name] = pool.replace(**{leaf: paged.scatter_sequence(getattr(pool, leaf), getattr(src, leaf), row,
+                                                                        pages)
+                                           for leaf in ("codes", "scale", "mn")})
+        rows = {leaf: paged.copy_row(getattr(self, leaf), getattr(seq, leaf), row, slot, 1)
+                for leaf in ("k_ring", "v_ring", "k_sink", "v_sink") if getattr(self, leaf) is not None}
+        first = None if self.first is None else self.first.with_sequence(seq.first, row, slot)
+        return self.replace(**stores, **rows, first=first,
+                            length=paged.copy_row(self.length, seq.length, row, slot, 0),
+                            error_flags=paged.copy_row(self.error_flags, seq.error_flags, row, slot, 0))
 
     def stores(self) -> tuple:
         """The key and value stores as attention reads them: the pools through the table for a paged cache (rows
@@ -478,8 +515,8 @@ class KIVICache:
 
     @property
     def dtype(self):
-        """The compute dtype of the ring (and of attention's full-precision part)."""
-        return self.k_ring.dtype
+        """The compute dtype: attention's full-precision part, the sinks, and the ring unless it has its own."""
+        return jnp.dtype(self.compute) if self.compute else self.k_ring.dtype
 
     @property
     def overflow(self) -> jax.Array:
@@ -510,13 +547,13 @@ class KIVICache:
 
     def attend_here(self, layer, q, k, v, positions, rope, num_new, window, softcap=None):
         """`attend` over this cache's own stores (`layer` indexes them)."""
-        kivi, dtype = self.config, self.k_ring.dtype
+        kivi, dtype = self.config, self.dtype
         k_rot = rope(k, positions).astype(dtype)  # the new tokens attend to each other after RoPE
         if kivi.rotate_keys:  # q . k unchanged: both in the basis H
             basis = rotation.key_basis(k.shape[-1], dtype)
             q, k_rot = (q @ basis.astype(q.dtype)), k_rot @ basis
         stored = k.astype(dtype) if kivi.pre_rope else k_rot
-        v = v.astype(self.v_ring.dtype)
+        v = v.astype(dtype)  # the new tokens attend in the compute dtype; the ring stores them in its own
         sinks = None if self.k_sink is None else (self.k_sink, self.v_sink)
         k_store, v_store = self.stores()
         out = attention.attend_kivi(self.impl, q, positions, k_store, v_store, layer, self.k_ring, self.v_ring,
@@ -669,6 +706,7 @@ def kivi_cache_bytes(
         return {name: first[name] + rest[name] for name in first}
     lbh = cfg.num_layers * batch * cfg.num_kv_heads
     d, r = cfg.head_dim, kivi.residual_length
+    ring_bytes = jnp.dtype(kivi.ring_dtype).itemsize if kivi.ring_dtype else compute_bytes
     # the quantized part holds `stored` tokens for each of `rows` (sequences, or pages of R tokens)
     rows, stored = (batch, max_tokens) if pages is None else (pages, r)
     lrh = cfg.num_layers * rows * cfg.num_kv_heads
@@ -679,7 +717,7 @@ def kivi_cache_bytes(
     parts = {
         "codes": lrh * stored * d * (kivi.k_bits + kivi.v_bits) // 8,
         "scales": 2 * lrh * groups * scale_bytes,  # (scale, min) for keys and values
-        "ring": 2 * lbh * r * d * compute_bytes,
+        "ring": 2 * lbh * r * d * ring_bytes,
         "sinks": 2 * lbh * kivi.sinks * d * compute_bytes,
         "bookkeeping": batch * (4 + 4) + table,  # length and error_flags, int32 (and the block table)
     }

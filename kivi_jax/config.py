@@ -10,6 +10,7 @@ from kivi_jax import codebook
 from kivi_jax.quant import SCALE_DTYPES, SUPPORTED_BITS, pack_multiple
 
 AXES = ("channel", "token")
+RING_DTYPES = ("", "float16", "bfloat16")  # "": the ring in the compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,7 @@ class KIVIConfig:
     first_v_bits: int = 0
     k_codebook: bool = False
     v_codebook: bool = False
+    ring_dtype: str = ""  # the residual ring's dtype ("": the compute dtype)
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -62,6 +64,8 @@ class KIVIConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {AXES}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {tuple(SCALE_DTYPES)}")
+        if self.ring_dtype not in RING_DTYPES:
+            raise ValueError(f"ring_dtype={self.ring_dtype!r} must be one of {RING_DTYPES} ('': the compute dtype)")
         if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
             raise ValueError(f"sinks={self.sinks!r} must be a whole number of tokens >= 0 (e.g. 4)")
         for name in ("pre_rope", "rotate_values", "rotate_keys", "k_codebook", "v_codebook"):
@@ -320,6 +324,9 @@ SUFFIXES = (
      "stores the first n layers with other key/value bits (e.g. -l2k4v4)"),
     ("nuqk", "k_codebook", True, "gives keys non-uniform codes (calibrated codebooks, kivi_jax/codebook.py)"),
     ("nuqv", "v_codebook", True, "gives values non-uniform codes (calibrated codebooks, kivi_jax/codebook.py)"),
+    ("ringf16", "ring_dtype", "float16", "keeps the residual ring in float16 (KIVI's FP16 residual) instead of the "
+                                         "compute dtype"),
+    ("ringbf16", "ring_dtype", "bfloat16", "keeps the residual ring in bfloat16 instead of the compute dtype"),
 )
 FLAGS = {suffix: (field, value) for suffix, field, value, _ in SUFFIXES if value is not int and isinstance(field, str)}
 NUMBERS = {suffix: field for suffix, field, value, _ in SUFFIXES if value is int}

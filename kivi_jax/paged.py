@@ -112,3 +112,19 @@ class PagedRows:
     def write_rows(self, rows: jax.Array, values: jax.Array) -> jax.Array:
         """The pool with `values [layers, batch, kv_heads, n, D]` written at token rows `rows [batch, n]`."""
         return write_rows(self.pool, self.table, rows, values)
+
+
+def scatter_sequence(pool: jax.Array, seq: jax.Array, row, pages: jax.Array) -> jax.Array:
+    """Row `row` of a contiguous store `seq [layers, batch, kv_heads, rows, X]` written page by page into `pool
+    [layers, pages, kv_heads, m, X]` at `pages [rows // m]` (an entry that holds no page: that block dropped)."""
+    x = jax.lax.dynamic_index_in_dim(seq, row, axis=1, keepdims=False)  # [layers, kv_heads, rows, X]
+    layers, heads, rows, width = x.shape
+    m = pool.shape[3]
+    blocks = jnp.moveaxis(x.reshape(layers, heads, rows // m, m, width), 2, 1)  # [layers, rows // m, kv_heads, m, X]
+    return pool.at[:, pages[: rows // m]].set(blocks.astype(pool.dtype), mode="drop")
+
+
+def copy_row(dst: jax.Array, src: jax.Array, row, slot, axis: int) -> jax.Array:
+    """`dst` with its row `slot` along `axis` replaced by `src`'s row `row`."""
+    part = jax.lax.dynamic_slice_in_dim(src, row, 1, axis).astype(dst.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(dst, part, slot, axis)

@@ -87,7 +87,8 @@ R = 32
 KIVI = KIVIConfig(2, 2, 16, R)
 
 
-@pytest.mark.parametrize("kivi", [KIVI, KIVIConfig(4, 2, 16, R), KIVIConfig(2, 2, 16, R, "token", "channel")])
+@pytest.mark.parametrize("kivi", [KIVI, KIVIConfig(4, 2, 16, R), KIVIConfig(2, 2, 16, R, "token", "channel"),
+                                  KIVIConfig(2, 2, 16, R, ring_dtype="float16")])
 def test_kivi_stores_are_bit_identical_to_one_token_appends_in_any_chunking(kivi):
     batch, n_max = 3, 3 * R + 5
     lengths = np.array([R - 1, R + 1, 3 * R + 5])  # and R itself is crossed on the way

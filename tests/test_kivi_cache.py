@@ -158,7 +158,8 @@ def test_kivi_model_decode_error_shrinks_with_bits():
     assert e8 < 0.01 * np.abs(errs["full"]).max() and e8 < e4 < e2
 
 
-@pytest.mark.parametrize("spec", ["kivi2", "kivi4", "k4v2-g64-r128", "k2v2-g32-r128-ktok-vchan", "k2v2-g32-r128-sf32"])
+@pytest.mark.parametrize("spec", ["kivi2", "kivi4", "k4v2-g64-r128", "k2v2-g32-r128-ktok-vchan", "k2v2-g32-r128-sf32",
+                                  "k2v2-g32-r128-s4-ringbf16"])
 def test_bytes_equal_the_formula(spec):
     cfg = LlamaConfig(vocab_size=8, hidden_size=256, intermediate_size=8, num_layers=3, num_heads=4, num_kv_heads=2,
                       head_dim=128)

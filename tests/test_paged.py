@@ -155,7 +155,7 @@ def assert_same_stores(a: dict, b: dict):
 
 
 SPECS = ["full", "k2v2-g16-r32", "k4v2-g16-r32", "k2v2-g16-r32-ktok-vchan", "k2v2-g16-r32-s4-prerope",
-         "k2v2-g16-r32-l1k4v4", "k2v2-g16-r32-rotv-rotk"]
+         "k2v2-g16-r32-l1k4v4", "k2v2-g16-r32-rotv-rotk", "k2v2-g16-r32-ringf16"]
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -84,8 +84,15 @@ struct Head {
 // ---------------------------------------------------------------------------------------------------------------------
 // KIVI
 
+// One page of the stores: one layer and kv head of a T-token block's codes, scales and mins.
+struct Page {
+  const uint8_t *kc, *vc;
+  const void *ks, *km, *vs, *vm;
+};
+
 struct KiviArgs {
-  int64_t B, H, n_rep, D, T, R, L, layer;
+  int64_t B, H, n_rep, D, T, R, L, layer;  // T: token rows a page
+  int64_t NP;                              // pages in the pool (a contiguous store: B pages of all its tokens)
   int kbits, vbits, gk, gv;
   int64_t window;  // 0: none
   ScaleType st;
@@ -101,9 +108,26 @@ struct KiviArgs {
   int q8 = 0;  // 2-bit dots in integers where the CPU can (`Q8`): `key_scores_q8`, `value_sums_q8`
   const int32_t* length;
   int64_t splits;
+  // Block table [B, pages_per_seq]: sequence b's token t in page table[b, t / T], row t % T (a contiguous store:
+  // table[b, 0] = b). An entry outside [0, NP) holds no page and reads as `zero`, a zeroed page.
+  const int32_t* table;
+  int64_t pages_per_seq;
+  const uint8_t* zero = nullptr;
+  int scale_bytes;
 
-  // layer-and-head offsets (in elements)
+  // layer-and-head offsets (in elements) of the rings
   int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
+
+  // Page `block` of sequence b (tokens [block * T, (block + 1) * T)) at this layer and kv head h.
+  Page page(int64_t b, int64_t h, int64_t block) const {
+    const int64_t e = block < pages_per_seq ? table[b * pages_per_seq + block] : -1;
+    if (e < 0 || e >= NP) return Page{zero, zero, zero, zero, zero, zero};
+    const int64_t ph = (layer * NP + e) * H + h;
+    const int64_t kso = ph * (T / gk) * D * scale_bytes, vso = ph * T * (D / gv) * scale_bytes;
+    auto at = [](const void* base, int64_t bytes) { return static_cast<const uint8_t*>(base) + bytes; };
+    return Page{kc + ph * T * (D * kbits / 8), vc + ph * T * (D * vbits / 8), at(ks, kso), at(km, kso), at(vs, vso),
+                at(vm, vso)};
+  }
 };
 
 // Bytes a row of D codes of BITS bits packs into (3 bits: a 2-bit plane of D/4 bytes, then a 1-bit plane of D/8).
@@ -452,10 +476,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   const int64_t k_end = (length / R) * R;                     // keys quantized below this
   const int nr = std::min<int>(NR, a.n_rep - r0);
 
-  const uint8_t* kc = a.kc + hi * a.T * RBK;
-  const uint8_t* vc = a.vc + hi * a.T * RBV;
-  const int64_t ks_off = hi * (a.T / gk) * D;  // key scales [T / G, D]
-  const int64_t vs_off = hi * a.T * (D / gv);  // value scales [T, D / Gv]
+  const int64_t T = a.T, gpp = T / gk;  // token rows and key groups a page
 
   float q[NR][D];
   for (int r = 0; r < NR; ++r)
@@ -490,13 +511,17 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   }
   for (int r = 0; r < NR; ++r)  // acc holds slab-scaled sums (codes unpacked as c * 2^(VB * slab)) until the ring
     for (int k = 0; k < D / W; ++k) st.acc[r][k] = vf{};
-  // Chunks of whole key groups (MAX_CHUNK tokens, fewer at the ends): the keys are scored group by group into one row
-  // of scores, then the softmax and the values run once over the chunk.
+  // Chunks of whole key groups inside one page (MAX_CHUNK tokens, fewer at the ends and the page edges): the keys are
+  // scored group by group into one row of scores, then the softmax and the values run once over the chunk.
   const int64_t gpc = std::max<int64_t>(MAX_CHUNK / gk, 1);  // key groups a chunk
-  for (int64_t g0 = g_begin; g0 < g_end; g0 += gpc) {
-    const int64_t g1 = std::min(g0 + gpc, g_end);
+  int64_t g1 = g_begin;
+  for (int64_t g0 = g_begin; g0 < g_end; g0 = g1) {
+    g1 = std::min({g0 + gpc, g_end, (g0 / gpp + 1) * gpp});
     const int64_t c_begin = std::max(g0 * gk, lo_q), c_end = std::min(g1 * gk, main_end);
     if (c_end <= c_begin) continue;
+    const Page pg = a.page(b, h, g0 / gpp);  // read only for tokens attended
+    const int64_t p0 = (g0 / gpp) * T, pg0 = (g0 / gpp) * gpp;  // the page's first token and key group
+    const uint8_t *kc = pg.kc, *vc = pg.vc;  // token t's row: t - p0
     int runs[MAX_CHUNK / 32 + 1], n_runs = 0;  // each key group's start in the chunk (G >= 32), then the end
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t_begin = std::max(g * gk, lo_q), t_end = std::min((g + 1) * gk, main_end);
@@ -504,8 +529,8 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
       if (n <= 0) continue;
       const int off = (int)(t_begin - c_begin);
       runs[n_runs++] = off;
-      load_scales(a.ks, ks_off + g * D, D, a.st, kscale);
-      load_scales(a.km, ks_off + g * D, D, a.st, kmin);
+      load_scales(pg.ks, (g - pg0) * D, D, a.st, kscale);
+      load_scales(pg.km, (g - pg0) * D, D, a.st, kmin);
       if (a.rope) {  // pre-RoPE keys: dequantize each row, rotate it by its position, dot (no folding into q)
         vf kse[D / W], kmn[D / W];
         for (int k = 0; k < D / W; ++k) {
@@ -516,7 +541,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
           const int m = std::min(W, n - i0);
           for (int i = 0; i < m; ++i) {
             const int64_t t = t_begin + i0 + i;
-            unpack_values<D, KB>(kc + t * RBK, codes, a.k_levels, a.k_nlevels);
+            unpack_values<D, KB>(kc + (t - p0) * RBK, codes, a.k_levels, a.k_nlevels);
 #pragma GCC unroll 8
             for (int k = 0; k < D / W; ++k) codes[k] = codes[k] * kse[k] + kmn[k];
             rotate_row<D>(codes, a.rope + t * D);
@@ -534,7 +559,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         }
       } else if (Q8 && KB == 2 && a.q8 && !a.k_levels) {
 #if defined(KIVI_Q8)
-        key_scores_q8<NR, D>(q, kscale, kmin, kc + t_begin * RBK, n, scores, off);
+        key_scores_q8<NR, D>(q, kscale, kmin, kc + (t_begin - p0) * RBK, n, scores, off);
 #endif
       } else {
         for (int r = 0; r < NR; ++r) {
@@ -549,7 +574,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         for (int i0 = 0; i0 < n; i0 += W) {
           const int m = std::min(W, n - i0);
           for (int i = 0; i < m; ++i) {
-            unpack_values<D, KB>(kc + (t_begin + i0 + i) * RBK, codes, a.k_levels, a.k_nlevels);
+            unpack_values<D, KB>(kc + (t_begin - p0 + i0 + i) * RBK, codes, a.k_levels, a.k_nlevels);
             for (int r = 0; r < NR; ++r) {
               vf acc = codes[0] * vload(qs[r]);
 #pragma GCC unroll 8
@@ -568,8 +593,8 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     const int64_t t_begin = c_begin;
     const int n = (int)(c_end - c_begin);
     st.update(scores, p, n);
-    load_scales(a.vs, vs_off + t_begin * ngv, n * ngv, a.st, vsc);
-    load_scales(a.vm, vs_off + t_begin * ngv, n * ngv, a.st, vmn);
+    load_scales(pg.vs, (t_begin - p0) * ngv, n * ngv, a.st, vsc);
+    load_scales(pg.vm, (t_begin - p0) * ngv, n * ngv, a.st, vmn);
     // Transposed to [group][token] (zero past n), so p * scale and Σ p * min run over tokens in vectors.
     const int nv = (n + W - 1) / W;
     alignas(64) float vsc_t[D / 16][MAX_CHUNK], vmn_t[D / 16][MAX_CHUNK];
@@ -593,15 +618,16 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
       }
     if (Q8 && VB == 2 && a.q8 && !a.v_levels) {
 #if defined(KIVI_Q8)
-      if (ngv == 1) value_sums_q8<NR, D, 1>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
-      else if (ngv == 2) value_sums_q8<NR, D, 2>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
-      else if (ngv == 4) value_sums_q8<NR, D, 4>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
+      const uint8_t* vrows = vc + (t_begin - p0) * RBV;
+      if (ngv == 1) value_sums_q8<NR, D, 1>(ps, vrows, n, runs, n_runs, st.acc, vunscale);
+      else if (ngv == 2) value_sums_q8<NR, D, 2>(ps, vrows, n, runs, n_runs, st.acc, vunscale);
+      else if (ngv == 4) value_sums_q8<NR, D, 4>(ps, vrows, n, runs, n_runs, st.acc, vunscale);
       else  // 16-channel groups
-        value_sums_q8<NR, D, D / 16>(ps, vc + t_begin * RBV, n, runs, n_runs, st.acc, vunscale);
+        value_sums_q8<NR, D, D / 16>(ps, vrows, n, runs, n_runs, st.acc, vunscale);
 #endif
     } else {
       for (int i = 0; i < n; ++i) {
-        unpack_values<D, VB>(vc + (t_begin + i) * RBV, codes, a.v_levels, a.v_nlevels);
+        unpack_values<D, VB>(vc + (t_begin - p0 + i) * RBV, codes, a.v_levels, a.v_nlevels);
         for (int r = 0; r < NR; ++r) {
           const float* pr = ps[r] + i;
 #pragma GCC unroll 8
@@ -638,10 +664,11 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         const int64_t tok = last_tok - ((last_tok - slot) % R + R) % R;
         alignas(64) float key[D];
         if (tok < k_end) {
-          const int64_t row = flushed_row + slot;
-          load_scales(a.ks, ks_off + (row / gk) * D, D, a.st, kscale);
-          load_scales(a.km, ks_off + (row / gk) * D, D, a.st, kmin);
-          unpack_row<D, KB, false>(kc + row * RBK, codes);
+          const int64_t row = flushed_row + slot, in = row % T;
+          const Page fp = a.page(b, h, row / T);
+          load_scales(fp.ks, (in / gk) * D, D, a.st, kscale);
+          load_scales(fp.km, (in / gk) * D, D, a.st, kmin);
+          unpack_row<D, KB, false>(fp.kc + in * RBK, codes);
           if (a.k_levels) code_levels<D>(codes, a.k_levels, a.k_nlevels);
           for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
         } else {
@@ -1005,18 +1032,22 @@ FullFn full_kernel(int nr, int64_t D, bool eight = false) {
 ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc, ffi::AnyBuffer ks,
                           ffi::AnyBuffer km, ffi::Buffer<ffi::U8> vc, ffi::AnyBuffer vs, ffi::AnyBuffer vm,
                           ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr, ffi::Buffer<ffi::S32> layer,
-                          ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
-                          ffi::Buffer<ffi::F32> k_sink, ffi::Buffer<ffi::F32> v_sink, ffi::Buffer<ffi::F32> inv_freq,
+                          ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::S32> tab, ffi::Buffer<ffi::F32> kn,
+                          ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::F32> k_sink, ffi::Buffer<ffi::F32> v_sink, ffi::Buffer<ffi::F32> inv_freq,
                           ffi::Buffer<ffi::F32> k_levels, ffi::Buffer<ffi::F32> v_levels,
                           ffi::ResultBuffer<ffi::F32> out, int64_t k_bits, int64_t v_bits, int64_t k_group,
                           int64_t v_group, int64_t window, int64_t rope, int64_t k_codebook, int64_t v_codebook,
                           int64_t int8_dots) {
   auto qd = q.dimensions(), kcd = kc.dimensions(), krd = kr.dimensions(), skd = k_sink.dimensions();
-  if (qd.size() != 4 || kcd.size() != 5 || krd.size() != 5 || skd.size() != 5)
-    return ffi::Error::InvalidArgument("kivi_decode: q must be [B, 1, Hq, D], stores, rings, sinks [L, B, H, ., .]");
+  auto vcd = vc.dimensions(), td = tab.dimensions();
+  if (qd.size() != 4 || kcd.size() != 5 || vcd.size() != 5 || krd.size() != 5 || skd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "kivi_decode: q must be [B, 1, Hq, D], stores [L, pages, H, ., .], rings and sinks [L, B, H, ., .], the table "
+        "[B, pages a sequence]");
   KiviArgs a;
   a.L = kcd[0];
-  a.B = kcd[1];
+  a.NP = kcd[1];
+  a.B = qd[0];
   a.H = kcd[2];
   a.T = kcd[3];
   a.D = qd[3];
@@ -1036,10 +1067,16 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   else return ffi::Error::InvalidArgument("kivi_decode: scales must be float16, bfloat16 or float32");
   if (a.gk < 32 || a.gk > MAX_CHUNK || a.T % a.gk || a.R % a.gk || a.gv < W || a.gv % W || a.D % a.gv)
     return ffi::Error::InvalidArgument("kivi_decode: unsupported group sizes");
+  if (td[0] != a.B || krd[1] != a.B || krd[0] != a.L || krd[2] != a.H || vcd[0] != a.L || vcd[1] != a.NP ||
+      vcd[2] != a.H || vcd[3] != a.T || (int64_t)length.element_count() != a.B)
+    return ffi::Error::InvalidArgument("kivi_decode: stores, rings, lengths and the table disagree on their shapes");
   KiviFn probe = kivi_kernel(MAX_ROWS, a.D, a.kbits, a.vbits);
   if (!probe) return ffi::Error::InvalidArgument("kivi_decode: unsupported head_dim or bits");
   a.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), a.L - 1);
   a.length = length.typed_data();
+  a.table = tab.typed_data();
+  a.pages_per_seq = td[1];
+  a.scale_bytes = a.st == F32 ? 4 : 2;
   a.kc = kc.typed_data();
   a.vc = vc.typed_data();
   a.ks = ks.untyped_data();
@@ -1056,6 +1093,17 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.v_sink = a.S > 0 ? v_sink.typed_data() : nullptr;
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.B; ++b) max_len = std::max<int64_t>(max_len, a.length[b]);
+  // A zeroed page for the entries that hold none (as the XLA path reads them), when the table has any or a length
+  // reaches past it.
+  bool holes = max_len > a.pages_per_seq * a.T;
+  for (int64_t i = 0; i < a.B * a.pages_per_seq && !holes; ++i) holes = a.table[i] < 0 || a.table[i] >= a.NP;
+  std::vector<uint8_t> zero;
+  if (holes) {
+    const int64_t kb = a.T * (a.D * a.kbits / 8), vb = a.T * (a.D * a.vbits / 8);
+    const int64_t ksb = (a.T / a.gk) * a.D * a.scale_bytes, vsb = a.T * (a.D / a.gv) * a.scale_bytes;
+    zero.assign(std::max({kb, vb, ksb, vsb}), 0);
+    a.zero = zero.data();
+  }
   std::shared_ptr<const RopeTable> table;
   if (rope) {
     if ((int64_t)inv_freq.element_count() * 2 != a.D)
@@ -1189,16 +1237,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [B, 1, Hq, D]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // key codes [L, B, H, T, D / pk]
-                                  .Arg<ffi::AnyBuffer>()         // key scales [L, B, H, T / G, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // key codes [L, pages, H, T, D / pk]
+                                  .Arg<ffi::AnyBuffer>()         // key scales [L, pages, H, T / G, D]
                                   .Arg<ffi::AnyBuffer>()         // key mins
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // value codes [L, B, H, T, D / pv]
-                                  .Arg<ffi::AnyBuffer>()         // value scales [L, B, H, T, D / Gv]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // value codes [L, pages, H, T, D / pv]
+                                  .Arg<ffi::AnyBuffer>()         // value scales [L, pages, H, T, D / Gv]
                                   .Arg<ffi::AnyBuffer>()         // value mins
                                   .Arg<ffi::Buffer<ffi::F32>>()  // key ring [L, B, H, R, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // value ring
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // length [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block table [B, pages a sequence] (contiguous: [b])
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new key [B, 1, H, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new value
                                   .Arg<ffi::Buffer<ffi::F32>>()  // key sinks [L, B, H, S, D] (S = 0: none)

@@ -45,6 +45,7 @@ from kivi_jax.models.decoder import Params
 from kivi_jax.runtime import (PREFILL_CHUNK, chunk_size, decode_step, prefill, prefill_scored, prefill_steps,
                               sample_first)
 from kivi_jax.sampling import Sampling, bitmask_width, row_settings
+from kivi_jax.serve.pages import PageAllocator
 
 DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFILL_BATCH = 8  # prompts prefilled together at most (in power-of-two row counts)
@@ -154,6 +155,13 @@ def extract_cache(batch, slot: jax.Array, axes: tuple[int, ...], mesh=None):
     return jax.tree_util.tree_unflatten(treedef, list(rows))
 
 
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def insert_sequence(batch, seq, row: jax.Array, slot: jax.Array):
+    """A paged batch cache (donated) whose row `slot` holds row `row` of the contiguous cache `seq`: its tokens
+    written into the pages the slot's table row names, its ring, sinks, length and flags copied."""
+    return batch.with_sequence(seq, row, slot)
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def reset_length(cache, slot: jax.Array):
     """A freed slot's length back to 0, so the decode loop no longer walks its old tokens."""
@@ -198,6 +206,7 @@ class Waiting:
     samplings: Sequence[Sampling]
     logprobs: bool = False
     constraints: Sequence | None = None
+    max_tokens: int | None = None  # sizes a paged request's pages (None: up to max_length)
 
 
 @dataclasses.dataclass
@@ -263,8 +272,11 @@ class Engine:
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
         prefill_tokens: int | None = None,
         buckets: bool = True,
+        pages: int | None = None,
     ):
         cfg = params.config
+        if pages is not None and mesh is not None:
+            raise ValueError("a paged cache is served without a mesh for now: drop the mesh or the pages")
         mesh = sharding.resolve_mesh(mesh)
         data = 1 if mesh is None else sharding.mesh_sizes(mesh)["data"]
         if mesh is not None and jax.process_count() > 1:
@@ -290,7 +302,8 @@ class Engine:
         # group's call computes only its live rows, padded to a power of two (a few compiled shapes); on a mesh every
         # row (the bucket's gather would cross the data shards).
         self.buckets = buckets and mesh is None
-        group = min(decode_group or default_decode_group(slots, data), slots)
+        # a paged cache: one pool, so one group (its idle rows cost their ring, not their reservation)
+        group = slots if pages is not None else min(decode_group or default_decode_group(slots, data), slots)
         self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
         if any(n % data for _, n in self.groups):
             raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
@@ -307,8 +320,17 @@ class Engine:
         self.prefill_batch = 1 if mesh is not None else min(prefill_batch, slots)
         self.prefill_tokens = prefill_tokens
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
-        self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh)
+        self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh, pages=pages)
                        for _, n in self.groups]
+        # Paged (docs/design.md §12): every slot a block table into one pool; a request's pages, enough for its
+        # prompt and max_tokens, are taken when its slots are reserved and given back when they are freed
+        self.paged = pages is not None
+        if self.paged:
+            table = self.caches[0].table
+            self.allocator = PageAllocator(pages, max_length // table.shape[1], f"{self.spec}")
+            self.tables = np.full(table.shape, pages, np.int32)  # [slots, pages a sequence]: the host's block tables
+            self.slot_pages: dict[int, list[int]] = {}
+            prefix_reuse = False  # a held slot would hold its pages: sharing prefix pages is what replaces it
         self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
         self.mask_words = bitmask_width(cfg.vocab_size)
         self.no_mask = [self._put(np.zeros((n, self.mask_words), np.int32)) for _, n in self.groups]  # unconstrained
@@ -342,12 +364,58 @@ class Engine:
 
     @property
     def cache_bytes(self) -> int:
-        return self.slot_bytes * self.num_slots
+        return tree_bytes(self.caches) if self.paged else self.slot_bytes * self.num_slots
 
     @property
     def cache_bytes_in_use(self) -> int:
-        """Bytes of the slots that hold something (live or held)."""
+        """Bytes of the slots that hold something (live or held); paged: of the pages in use."""
+        if self.paged:
+            return self.allocator.used_pages * self.page_bytes
         return self.slot_bytes * (self.num_slots - self.count(FREE))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page takes in the pool (every store leaf's share of one page)."""
+        pool = [x for x in jax.tree_util.tree_leaves(self.caches[0]) if x.ndim == 5 and x.shape[1] == self.allocator.num_pages]
+        return tree_bytes(pool) // self.allocator.num_pages
+
+    def pages_for(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """Pages one choice of a request takes in a paged cache (0 for slots): enough for the prompt and max_tokens
+        (None: up to max_length)."""
+        if not self.paged:
+            return 0
+        total = self.max_length if max_tokens is None else min(prompt_tokens + max_tokens, self.max_length)
+        return self.caches[0].pages_needed(total)
+
+    def free_pages(self) -> float:
+        """Pages that can be had now (infinite for slots)."""
+        return self.allocator.free_pages + self.allocator.cached_pages if self.paged else float("inf")
+
+    def check_pool(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> None:
+        """ValueError unless a request of `n` choices could ever fit a paged cache's pool (nothing for slots)."""
+        need = n * self.pages_for(prompt_tokens, max_tokens)
+        if self.paged and need > self.allocator.num_pages:
+            raise ValueError(f"the request needs {need} pages of {self.allocator.page_tokens} tokens ({n} choice(s) "
+                             f"of its prompt and max_tokens) and the pool has {self.allocator.num_pages}; lower "
+                             "max_tokens or n, or serve with a larger --cache-budget")
+
+    def can_admit(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> bool:
+        """Whether a request of `n` choices could be admitted now: `n` open slots and, paged, their pages."""
+        return self.has_free_slot(n) and n * self.pages_for(prompt_tokens, max_tokens) <= self.free_pages()
+
+    def _reserve_pages(self, slots: Sequence[int], prompt_tokens: int, max_tokens: int | None) -> None:
+        """Takes each slot's pages (paged; before anything is written into them) and writes its table row."""
+        if not self.paged:
+            return
+        need = self.pages_for(prompt_tokens, max_tokens)
+        if not self.allocator.can_allocate(need * len(slots)):
+            raise NoFreeSlot(f"{len(slots)} choices need {need} pages each; {self.free_pages()} of "
+                             f"{self.allocator.num_pages} are free")
+        for slot in slots:
+            pages = self.allocator.allocate(need)
+            self.slot_pages[slot] = pages
+            self.tables[slot] = self.allocator.num_pages
+            self.tables[slot, :need] = pages
 
     def room(self, prompt_tokens: int) -> int:
         """Tokens a slot has left after a prompt of this many (what max_tokens defaults to), or ValueError when the
@@ -402,8 +470,12 @@ class Engine:
 
     def insert(self, seq_cache, slot: int, row: int = 0) -> None:
         """Copies row `row` of a cache (a one-sequence cache: row 0) into batch row `slot` (jitted, the batch cache
-        donated)."""
+        donated); paged, into the slot's pages."""
         g, r = self._where(slot)
+        if self.paged:
+            self.caches[0] = insert_sequence(self.caches[0].with_table(self.tables), seq_cache, jnp.int32(row),
+                                             jnp.int32(slot))
+            return
         with sharding.use_mesh(self.mesh):
             self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), jnp.int32(r), self.axes)
 
@@ -459,13 +531,18 @@ class Engine:
         return admitted.slots[0], admitted.first[0].token
 
     def admit_choices(self, prompt: list[int], samplings: Sequence[Sampling], *, score_prompt: bool = False,
-                      logprobs: bool = False, constraints: Sequence | None = None) -> Admitted:
+                      logprobs: bool = False, constraints: Sequence | None = None,
+                      max_tokens: int | None = None) -> Admitted:
         """Prefills `prompt` once and puts it in one slot per choice (each with its own sampling and key, from its
         seed). Without `score_prompt` a held prefix is reused when one matches and every choice's first token is
         sampled now; with it the prompt is scored (see the module docstring; the first prompt token has no score) and
         the choices start live on the prompt's remaining tokens, if any. `logprobs`: every Out carries its scores;
-        `constraints[i]`: choice i's grammar matcher (or None)."""
-        k, constraints = self.check_request(prompt, samplings, constraints)
+        `constraints[i]`: choice i's grammar matcher (or None); `max_tokens` (None: up to max_length) sizes a paged
+        request's pages."""
+        k, constraints = self.check_request(prompt, samplings, constraints, max_tokens)
+        if not self.can_admit(len(prompt), max_tokens, k):
+            raise NoFreeSlot(f"{k} choices need {self.pages_for(len(prompt), max_tokens)} pages each; "
+                             f"{self.free_pages()} are free")
         slots, start, seq = [], 0, None
         scores = None
         if score_prompt:
@@ -481,14 +558,17 @@ class Engine:
             done = len(prompt)
         while len(slots) < k:
             slots.append(self._pick_slot(slots))
+        self._reserve_pages(slots, len(prompt), max_tokens)
         admitted = self._place(Waiting(prompt, samplings, logprobs, constraints), slots, logits, seq, 0, done)
         admitted.prompt_scores = scores
         self.counters["prefill_tokens_computed"] += done - start
         self.counters["prefix_tokens_reused"] += start
         return admitted
 
-    def check_request(self, prompt: list[int], samplings: Sequence[Sampling], constraints) -> tuple[int, list]:
-        """(choices, a constraint or None each) of a request that fits a slot, or ValueError / NoFreeSlot."""
+    def check_request(self, prompt: list[int], samplings: Sequence[Sampling], constraints,
+                      max_tokens: int | None = None) -> tuple[int, list]:
+        """(choices, a constraint or None each) of a request that fits a slot (paged: and the pool, `max_tokens`
+        None: up to max_length), or ValueError / NoFreeSlot."""
         k = len(samplings)
         constraints = list(constraints) if constraints is not None else [None] * k
         if k < 1 or len(constraints) != k:
@@ -498,6 +578,7 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        self.check_pool(len(prompt), max_tokens, k)
         if not self.has_free_slot(k):
             raise NoFreeSlot(f"{k} choices need {k} slots that are neither live nor reserved; "
                              f"{self.open_slots()} of {self.num_slots} are")
@@ -565,12 +646,14 @@ class Engine:
             raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
                              f"{len(requests)} of shapes {sorted(shapes)}")
         _, chunks = shapes.pop()
-        need = 0
+        need = pages = 0
         for r in requests:
-            k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints)
+            k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints, r.max_tokens)
             need += k
-        if not self.has_free_slot(need):
-            raise NoFreeSlot(f"{len(requests)} requests need {need} slots; {self.open_slots()} are open")
+            pages += k * self.pages_for(len(r.prompt), r.max_tokens)
+        if not self.has_free_slot(need) or pages > self.free_pages():
+            raise NoFreeSlot(f"{len(requests)} requests need {need} slots and {pages} pages; {self.open_slots()} "
+                             f"slots and {self.free_pages()} pages are open")
         slots = []
         for r in requests:
             mine = []
@@ -578,6 +661,7 @@ class Engine:
                 slot = self._pick_slot()
                 self.slots[slot] = Slot(FILLING)
                 mine.append(slot)
+            self._reserve_pages(mine, len(r.prompt), r.max_tokens)
             slots.append(mine)
         rows = 1 << (len(requests) - 1).bit_length()  # a power of two: few compiled shapes
         longest = max(len(r.prompt) for r in requests)
@@ -703,13 +787,21 @@ class Engine:
             self.free(slot)
 
     def free(self, slot: int) -> None:
-        """Empties a slot (its next `insert` overwrites every leaf of it)."""
+        """Empties a slot (its next `insert` overwrites every leaf of it); paged, its pages go back to the pool and
+        its table row holds none."""
         self.slots[slot] = Slot()
         g, row = self._where(slot)
+        if self.paged:
+            self.allocator.release(self.slot_pages.pop(slot, []))
+            self.tables[slot] = self.allocator.num_pages
+            self.caches[0] = self.caches[0].with_table(self.tables)
         with sharding.use_mesh(self.mesh):
             self.caches[g] = reset_length(self.caches[g], jnp.int32(row))
 
     def metrics(self) -> dict:
-        return {"slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE),
+        pages = {}
+        if self.paged:
+            pages = {f"pages_{k}" if not k.startswith("pages") else k: v for k, v in self.allocator.metrics().items()}
+        return {**pages, "slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE),
                 "held": self.count(HELD), "free": self.count(FREE), "filling": self.count(FILLING), "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
                 "cache_bytes_in_use": self.cache_bytes_in_use, **self.counters}

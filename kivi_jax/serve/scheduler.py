@@ -168,6 +168,7 @@ class Scheduler:
         self.engine.check_fits(len(req.prompt), req.max_tokens, least=0 if req.score_prompt else 1)
         if not 1 <= req.n <= self.engine.num_slots:
             raise ValueError(f"n={req.n} choices need as many slots; this server has {self.engine.num_slots}")
+        self.engine.check_pool(len(req.prompt), req.max_tokens, req.n)
         with self._waiting_changed:
             if self.draining:
                 raise ShuttingDown(SHUTTING_DOWN)
@@ -304,11 +305,13 @@ class Scheduler:
                 self._on_token(req, choice, slot, o)
 
     def _next_waiting(self, block: bool) -> Request | None:
-        """The oldest waiting request if enough slots are not live for its choices (it keeps its place if not)."""
+        """The oldest waiting request if enough slots are not live for its choices, and a paged cache has their
+        pages (it keeps its place if not)."""
         with self._waiting_changed:
             if block and not self.waiting:
                 self._waiting_changed.wait(0.05)
-            if self.waiting and self.engine.has_free_slot(self.waiting[0].n):
+            first = self.waiting[0] if self.waiting else None
+            if first is not None and self.engine.can_admit(len(first.prompt), first.max_tokens, first.n):
                 return self.waiting.popleft()
             return None
 
@@ -327,7 +330,7 @@ class Scheduler:
             try:
                 admitted = self.engine.admit_choices(req.prompt, [c.sampling for c in req.choices],
                                                      score_prompt=req.score_prompt, logprobs=req.logprobs,
-                                                     constraints=self._constraints(req))
+                                                     constraints=self._constraints(req), max_tokens=req.max_tokens)
             except (ValueError, OverflowError) as e:  # this request's own values; checked before queueing, but a
                 self._fail(req, str(e))               # direct caller can still get here
                 continue
@@ -339,9 +342,9 @@ class Scheduler:
 
     def _waiting_of(self, req: Request) -> Waiting | None:
         """The engine's view of a request, or None (and the request failed) when it does not fit."""
-        w = Waiting(req.prompt, [c.sampling for c in req.choices], req.logprobs, self._constraints(req))
+        w = Waiting(req.prompt, [c.sampling for c in req.choices], req.logprobs, self._constraints(req), req.max_tokens)
         try:
-            self.engine.check_request(w.prompt, w.samplings, w.constraints)
+            self.engine.check_request(w.prompt, w.samplings, w.constraints, w.max_tokens)
         except (ValueError, OverflowError) as e:
             self._fail(req, str(e))
             return None
@@ -352,15 +355,17 @@ class Scheduler:
         (plain ones, no held prefix to reuse), as many as the token budget and the open slots allow."""
         shape = self.engine.prefill_shape(first.prompt)
         room, open_slots = self.engine.prefill_room(shape), self.engine.open_slots()
+        open_pages = self.engine.free_pages()
+        pages = lambda req: req.n * self.engine.pages_for(len(req.prompt), req.max_tokens)  # noqa: E731
         taken, reqs = [], []
         w = self._waiting_of(first)
         if w is not None:
-            taken, reqs, open_slots = [w], [first], open_slots - first.n
+            taken, reqs, open_slots, open_pages = [w], [first], open_slots - first.n, open_pages - pages(first)
         with self._waiting_changed:
             for req in list(self.waiting):
                 if len(taken) >= room:
                     break
-                if (req.score_prompt or req.n > open_slots or req.cancelled.is_set()
+                if (req.score_prompt or req.n > open_slots or pages(req) > open_pages or req.cancelled.is_set()
                         or self.engine.prefill_shape(req.prompt) != shape or not self.engine.batchable(req.prompt)):
                     continue
                 w = self._waiting_of(req)
@@ -369,6 +374,7 @@ class Scheduler:
                     taken.append(w)
                     reqs.append(req)
                     open_slots -= req.n
+                    open_pages -= pages(req)
         if taken:
             self.job, self.job_requests = self.engine.start_prefill(taken), reqs
 

@@ -1,0 +1,90 @@
+"""The serving engine on a paged cache (docs/design.md §12): a request takes the pages its prompt and max_tokens
+need when it is admitted and gives them back when it ends; requests wait for pages instead of failing, and every
+greedy answer is what `generate` alone gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kivi_jax
+from kivi_jax.sampling import Sampling
+from kivi_jax.serve.engine import Engine
+from kivi_jax.serve.scheduler import Scheduler
+from test_serve_batching import answer, prompts, request
+
+SPEC = "k2v2-g8-r16"  # pages of 16 tokens
+MAX_LENGTH = 384
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return kivi_jax.load(str(tiny_dirs["llama_mha"][0]), progress=False)
+
+
+def reference(model, spec, prompt, new):
+    return kivi_jax.generate(model, prompt, max_new_tokens=new, cache=spec, max_length=MAX_LENGTH,
+                             prefill_chunk=64).token_ids
+
+
+@pytest.mark.parametrize("spec", [SPEC, "full"])
+def test_a_pool_too_small_for_every_request_at_once_still_answers_each_as_generate_alone(model, spec):
+    """Nine requests (prompts of 4 to 250 tokens, 10 to 40 new) on 6 slots whose pool holds about three of them at a
+    time: they wait for pages, none fails, each answer is `generate`'s, and every page comes back."""
+    lengths, new = [4, 250, 30, 120, 9, 200, 60, 17, 90], [30, 12, 40, 25, 10, 20, 35, 15, 28]
+    batch = prompts(11, lengths)
+    eng = Engine(model.params, spec, slots=6, max_length=MAX_LENGTH, prefill_chunk=64, pages=24)
+    need = [eng.pages_for(n, m) for n, m in zip(lengths, new)]
+    assert sum(need) > 2 * eng.allocator.num_pages  # never all at once
+    sched = Scheduler(eng, model.tokenizer)
+    peak_pages = []
+    sched.start()
+    try:
+        queued = [request(p, m, lambda e: peak_pages.append(eng.allocator.used_pages)) for p, m in zip(batch, new)]
+        for req, _ in queued:
+            sched.submit(req)
+        got = [answer(q) for _, q in queued]
+    finally:
+        sched.stop()
+    assert got == [reference(model, spec, p, m) for p, m in zip(batch, new)]
+    assert max(peak_pages) <= eng.allocator.num_pages and eng.peak_live >= 2
+    eng.allocator.check()
+    metrics = eng.metrics()
+    assert metrics["pages_free"] == metrics["pages_total"] == 24 and metrics["pages_used"] == 0
+    assert sched.counters.get("requests_failed", 0) == 0
+    assert not eng.tables[eng.tables < 24].size  # every table row holds no page
+
+
+def test_choices_take_pages_each_and_requests_past_the_pool_are_refused_at_once(model):
+    eng = Engine(model.params, SPEC, slots=4, max_length=MAX_LENGTH, prefill_chunk=64, pages=12)
+    prompt = prompts(2, [40])[0]
+    admitted = eng.admit_choices(prompt, [Sampling(0.0), Sampling(0.0)], max_tokens=50)
+    need = eng.pages_for(40, 50)
+    assert need == (40 + 50) // 16 and eng.allocator.used_pages == 2 * need
+    held = [eng.slot_pages[s] for s in admitted.slots]
+    assert not set(held[0]) & set(held[1])
+    for slot in admitted.slots:
+        eng.free(slot)
+    assert eng.allocator.used_pages == 0
+    sched = Scheduler(eng, None)
+    too_big, _ = request(prompts(3, [100])[0], 200)
+    with pytest.raises(ValueError, match=r"needs 18 pages of 16 tokens .* the pool has 12; lower max_tokens"):
+        sched.submit(too_big)
+    with pytest.raises(ValueError, match="served without a mesh"):
+        Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, pages=8, mesh="data=1")
+
+
+def test_paged_engine_steps_equal_the_slot_engine_steps(model):
+    """The same admissions and decode steps on slots and on pages (handed out as the allocator gives them) give the
+    same tokens step by step."""
+    batch = prompts(4, [5, 33, 70])
+    slots = Engine(model.params, SPEC, slots=4, max_length=MAX_LENGTH, prefill_chunk=64, prefix_reuse=False)
+    pages = Engine(model.params, SPEC, slots=4, max_length=MAX_LENGTH, prefill_chunk=64, pages=60)
+    firsts = []
+    for eng in (slots, pages):
+        firsts.append([eng.admit_choices(p, [Sampling(0.0)], max_tokens=40).first[0].token for p in batch])
+    assert firsts[0] == firsts[1]
+    for _ in range(40):
+        a, b = slots.step(), pages.step()
+        assert a == b
+    assert np.asarray(pages.caches[0].length).tolist()[:3] == [n + 40 for n in (5, 33, 70)]
