@@ -22,6 +22,12 @@ kernel reads them in the 2-bit plane's slabs, the high bits by a gather load and
 (`inv_freq` given) are dequantized per block, rotated in registers by their positions (slab i and slab i + slabs/2
 are RoPE's two halves) and dotted with the query; the ring's keys likewise. Sink tokens `[0, S)` are left out of
 the kernel's segments and attended in full precision in the jnp epilogue (`sink_partial`).
+
+Paged (`table` given, kivi_jax/paged.py): the stores are pools `[layers, pages, kv_heads, R or R / G, ...]`, one
+R-token block a page, and sequence b's token t lies in page `table [batch, pages_per_seq][b, t // R]`, row `t % R`.
+The same programs read each G-token group through the table (steps divide R, so a group never spans pages) with
+masked loads: only the rows they attend, never an entry that holds no page (one equal to the page count), and rows of
+a held page a sequence has not written yet (which may hold anything, NaN included) read as zeros.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ KERNEL_GROUPS = (32, 64, 128)
 TOKENS_PER_STEP = 64  # tokens a main program reads per loop step (whole key groups)
 NUM_WARPS = 4
 NUM_STAGES = 2
+PAGED = True  # `decode(..., table=...)` reads pools through a block table (kivi_jax/attention.py hands it one)
 
 
 def unsupported(head_dim: int, k_bits: int, v_bits: int, group_size: int, residual: int, key_axis: str = "channel",
@@ -148,8 +155,10 @@ def ring_slot_tokens(length, slots, residual: int):
 
 
 def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref, vm_ref, kr_ref, vr_ref, *refs,
-            k_bits, v_bits, group_size, residual, window, sinks, rope, splits, step, dtype):
-    inv_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if rope else (None, refs)
+            k_bits, v_bits, group_size, residual, window, sinks, rope, paged, splits, step, dtype):
+    extra, (m_ref, l_ref, acc_ref) = refs[:-3], refs[-3:]
+    inv_ref = extra[0] if rope else None
+    table_ref = extra[-1] if paged else None  # [batch, pages_per_seq] int32
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     length = length_ref[b]
@@ -168,40 +177,77 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
     if rope:  # the query in the compute dtype, cut like the rotated key pieces: slabs, and halves for the ring
         q_pieces = {w: [q_ref[:, pl.ds(c, w)].astype(dtype) for c in range(0, head_dim, w)] for w in {wk, half}}
 
-    def high_bits(ref, t0, c0, width):
-        """uint8 `[G, width]`: the 1-bit plane's bit of channels `[c0, c0 + width)` of the G tokens from t0 (3-bit
+    class At(NamedTuple):
+        """Where the G store rows of tokens `[t0, t0 + G)` lie: `seq` the index on the stores' second axis (the
+        sequence, or its page), `row` the first row there, `rows_ok [G]` the rows to read (None: all, contiguous)."""
+
+        seq: jax.Array
+        row: jax.Array
+        rows_ok: jax.Array | None
+
+    def at(t0, rows_ok) -> At:
+        """The G rows from token t0 (`rows_ok [G]`: those attended): row t0 of sequence b, or row `t0 % R` of page
+        `table[b, t0 // R]`, read only where attended and the entry holds a page."""
+        if not paged:
+            return At(b, t0, None)
+        blk = lax.div(t0, residual)
+        page = table_ref[b, blk]
+        held = page < kc_ref.shape[1]  # an entry equal to the page count holds no page
+        return At(jnp.where(held, page, 0), t0 - blk * residual, rows_ok & held)
+
+    def load(ref, idx, mask, shape):
+        """`ref[idx]` of `shape`; with a mask (broadcast to `shape`) a masked load, zeros where it is False."""
+        if mask is None:
+            return ref[idx]
+        idx = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)  # masked: a Python int index is no array
+        return plgpu.load(ref.at[idx], mask=jnp.broadcast_to(mask, shape), other=0)
+
+    def rows_mask(a: At):
+        """The row mask `[G, 1]` of a `[G, width]` load (None: contiguous, all rows)."""
+        return None if a.rows_ok is None else a.rows_ok[:, None]
+
+    def group_mask(a: At):
+        """Whether the key group's scale row is read: any of its rows is (None: contiguous, always)."""
+        return None if a.rows_ok is None else jnp.sum(a.rows_ok.astype(jnp.int32)) > 0
+
+    def high_bits(ref, a: At, c0, width):
+        """uint8 `[G, width]`: the 1-bit plane's bit of channels `[c0, c0 + width)` of the G rows at `a` (3-bit
         codes). The plane follows the 2-bit plane's D/4 bytes; byte j holds channels j, j + D/8, ... A D/4-wide slab
         spans two of its bit slabs: a gather load of each column's byte and a per-column shift (D/8 = 8 channels at
         head_dim 64 is too narrow for a Triton dot, and Triton's Pallas backend cannot concatenate two tiles)."""
         eighth = head_dim // 8
         ch = c0 + jnp.arange(width)
-        raw = ref[layer, b, h, (t0 + jnp.arange(g))[:, None], (head_dim // 4 + ch % eighth)[None, :]]
+        idx = (layer, a.seq, h, (a.row + jnp.arange(g))[:, None], (head_dim // 4 + ch % eighth)[None, :])
+        raw = load(ref, idx, rows_mask(a), (g, width))
         return (raw >> (ch // eighth).astype(jnp.uint8)[None, :]) & 1
 
-    def planar(first_plane, ref, t0, slab, c0, width, bits):
+    def planar(first_plane, ref, a: At, slab, c0, width, bits):
         """uint8 codes `[G, width]` of channels `[c0, c0 + width)` in slab `slab`, from the loaded first-plane
         bytes: one shift and one mask, and for 3-bit codes the high bit from the 1-bit plane."""
         low = PLANES[bits][0]
         codes = (first_plane >> (low * slab)) & (2**low - 1)
         if bits == 3:
-            codes = codes | (high_bits(ref, t0, c0, width) << 2)
+            codes = codes | (high_bits(ref, a, c0, width) << 2)
         return codes
 
-    def key_first_plane(t0):
-        """uint8 `[G, D/slabs]`: the first plane's bytes of the G quantized keys from token t0."""
-        if k_bits == 3:
-            return kc_ref[layer, b, h, pl.ds(t0, g), pl.ds(0, wk)]
-        return kc_ref[layer, b, h, pl.ds(t0, g), :]  # the whole row
+    def key_first_plane(a: At):
+        """uint8 `[G, D/slabs]`: the first plane's bytes of the G quantized keys at `a`."""
+        width = wk if k_bits == 3 else kc_ref.shape[-1]  # 3-bit: the 2-bit plane; else the whole row
+        return load(kc_ref, (layer, a.seq, h, pl.ds(a.row, g), pl.ds(0, width)), rows_mask(a), (g, width))
 
-    def key_scores(t0, grp):
-        """Scores `[rows, G]` of the G quantized keys from token t0 (key group `grp`), scales folded into q."""
-        first_plane = key_first_plane(t0)
+    def key_group(a: At, ref, i):
+        """float32 `[D/pk]`: slab i's channels of the scale or min row of the key group at `a`."""
+        return load(ref, (layer, a.seq, h, lax.div(a.row, g), pl.ds(i * wk, wk)), group_mask(a), (wk,)).astype(
+            jnp.float32)
+
+    def key_scores(a: At):
+        """Scores `[rows, G]` of the G quantized keys at `a` (one key group), scales folded into q."""
+        first_plane = key_first_plane(a)
         scores = jnp.zeros((rows, g), jnp.float32)
         bias = jnp.zeros((rows,), jnp.float32)
         for i in range(n_slabs):
-            scale = ks_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)  # [D/pk]
-            mn = km_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)
-            slab = planar(first_plane, kc_ref, t0, i, i * wk, wk, k_bits).astype(dtype)  # channels [i*wk, (i+1)*wk)
+            scale, mn = key_group(a, ks_ref, i), key_group(a, km_ref, i)  # [D/pk]
+            slab = planar(first_plane, kc_ref, a, i, i * wk, wk, k_bits).astype(dtype)  # channels [i*wk, (i+1)*wk)
             for part in split_parts(q_slabs[i] * (scale * sm_scale)[None, :], dtype):
                 scores = scores + dot(part, slab, trans_b=True)
             bias = bias + jnp.sum(q_slabs[i] * mn[None, :], axis=1)
@@ -221,27 +267,33 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
                     scores = scores + dot(q_pieces[w][j], part, trans_b=True)
         return scores * sm_scale
 
-    def rotated_key_scores(t0, grp):
-        """Scores `[rows, G]` of the G quantized pre-RoPE keys from token t0: dequantized, rotated, dotted."""
-        first_plane = key_first_plane(t0)
+    def rotated_key_scores(a: At, t0):
+        """Scores `[rows, G]` of the G quantized pre-RoPE keys at `a` (tokens from t0): dequantized, rotated,
+        dotted."""
+        first_plane = key_first_plane(a)
         keys = []
         for i in range(n_slabs):
-            scale = ks_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)  # [D/pk]
-            mn = km_ref[layer, b, h, grp, pl.ds(i * wk, wk)].astype(jnp.float32)
-            codes = planar(first_plane, kc_ref, t0, i, i * wk, wk, k_bits)
+            scale, mn = key_group(a, ks_ref, i), key_group(a, km_ref, i)  # [D/pk]
+            codes = planar(first_plane, kc_ref, a, i, i * wk, wk, k_bits)
             keys.append(codes.astype(jnp.float32) * scale[None, :] + mn[None, :])  # [G, D/pk]
         return rotated_scores(keys[: n_slabs // 2], keys[n_slabs // 2 :], t0 + jnp.arange(g))
 
-    quantized_key_scores = rotated_key_scores if rope else key_scores
+    def quantized_key_scores(t0, rows_ok):
+        """Scores `[rows, G]` of the G quantized keys from token t0 (`rows_ok [G]`: those attended)."""
+        a = at(t0, rows_ok)
+        return rotated_key_scores(a, t0) if rope else key_scores(a)
 
-    def add_quantized_values(acc, p, t0):
-        """acc pieces + p `[rows, G]` times the G quantized values from token t0, scales folded into p."""
+    def add_quantized_values(acc, p, t0, rows_ok):
+        """acc pieces + p `[rows, G]` times the G quantized values from token t0 (`rows_ok [G]`: those attended),
+        scales folded into p."""
         acc = list(acc)
+        a = at(t0, rows_ok)
         for j, (ch, slab_i, col, width) in enumerate(pieces):
-            codes = vc_ref[layer, b, h, pl.ds(t0, g), pl.ds(col, width)]  # [G, width] uint8
-            scale = vs_ref[layer, b, h, pl.ds(t0, g), ch // g].astype(jnp.float32)  # [G]
-            mn = vm_ref[layer, b, h, pl.ds(t0, g), ch // g].astype(jnp.float32)
-            slab = planar(codes, vc_ref, t0, slab_i, ch, width, v_bits).astype(dtype)
+            codes = load(vc_ref, (layer, a.seq, h, pl.ds(a.row, g), pl.ds(col, width)), rows_mask(a),
+                         (g, width))  # [G, width] uint8
+            scale = load(vs_ref, (layer, a.seq, h, pl.ds(a.row, g), ch // g), a.rows_ok, (g,)).astype(jnp.float32)
+            mn = load(vm_ref, (layer, a.seq, h, pl.ds(a.row, g), ch // g), a.rows_ok, (g,)).astype(jnp.float32)
+            slab = planar(codes, vc_ref, a, slab_i, ch, width, v_bits).astype(dtype)
             acc[j] = acc[j] + dot((p * scale[None, :]).astype(dtype), slab) + jnp.sum(p * mn[None, :], axis=1)[:, None]
         return tuple(acc)
 
@@ -259,16 +311,16 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
     def main_step(i, carry):
         m, l, acc = carry
         t_step = (start + i) * step
-        scores = []
+        scores, valids = [], []
         for j in range(step // g):
             t0 = t_step + j * g
             pos = t0 + jnp.arange(g)
-            valid = (pos >= lo) & (pos < main_end)
-            scores.append(jnp.where(valid[None, :], quantized_key_scores(t0, lax.div(t0, g)), -jnp.inf))
+            valids.append((pos >= lo) & (pos < main_end))  # [G]
+            scores.append(jnp.where(valids[j][None, :], quantized_key_scores(t0, valids[j]), -jnp.inf))
         m, alpha, probs, l = fd.online_update(m, l, scores)
         acc = tuple(a * alpha[:, None] for a in acc)
         for j, p in enumerate(probs):
-            acc = add_quantized_values(acc, p, t_step + j * g)
+            acc = add_quantized_values(acc, p, t_step + j * g, valids[j])
         return m, l, acc
 
     carry = (
@@ -286,8 +338,7 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
         slots = c * g + jnp.arange(g)
         tok, quantized = ring_slot_tokens(length, slots, residual)
         valid = tok >= lo  # lo >= 0: never-written slots (tok < 0) are out
-        row = flushed_row + c * g
-        s_quant = quantized_key_scores(row, lax.div(row, g))
+        s_quant = quantized_key_scores(flushed_row + c * g, valid & quantized)  # none read before the first flush
         if rope:  # the ring's pre-RoPE keys in halves, rotated by the tokens they hold
             ring_halves = [kr_ref[layer, b, h, pl.ds(c * g, g), pl.ds(i * half, half)].astype(jnp.float32)
                            for i in range(2)]  # [G, D/2] each
@@ -313,25 +364,31 @@ def _kernel(layer_ref, length_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref
 
 
 def partials(q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, *, k_bits,
-             v_bits, group_size, window, sinks=0, inv_freq=None, num_splits=None, tokens_per_step=TOKENS_PER_STEP,
-             interpret=False):
+             v_bits, group_size, window, sinks=0, inv_freq=None, table=None, num_splits=None,
+             tokens_per_step=TOKENS_PER_STEP, interpret=False):
     """The kernel's partials `(m, l, acc)` `[batch, kv_heads, splits + 1, rows(, head_dim)]` for padded float32
     queries `q_rows [batch, kv_heads, rows, head_dim]`; the last split is the residual segment. Tokens below `sinks`
-    are left out (the sinks hold them); `inv_freq [D/2]` float32: keys are stored before RoPE."""
+    are left out (the sinks hold them); `inv_freq [D/2]` float32: keys are stored before RoPE; `table [batch,
+    pages_per_seq]`: the stores are pools of R-token pages read through it."""
     _, batch, kv_heads, max_tokens, _ = k_codes.shape
     rows, head_dim = q_rows.shape[2:]
     residual = k_ring.shape[3]
-    step = step_tokens(max_tokens, group_size, tokens_per_step)
+    paged = table is not None
+    if paged:  # steps within one page
+        batch, max_tokens = table.shape[0], table.shape[1] * residual
+    step = step_tokens(residual if paged else max_tokens, group_size, tokens_per_step)
     splits = num_splits or fd.num_splits(batch, kv_heads, max_tokens // step)
     rope = inv_freq is not None
     kernel = functools.partial(
         _kernel, k_bits=k_bits, v_bits=v_bits, group_size=group_size, residual=residual, window=window,
-        sinks=sinks, rope=rope, splits=splits, step=step, dtype=k_ring.dtype,
+        sinks=sinks, rope=rope, paged=paged, splits=splits, step=step, dtype=k_ring.dtype,
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # read in place, indexed in the kernel
     cache = (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)
     if rope:
         cache = cache + (inv_freq.astype(jnp.float32),)
+    if paged:
+        cache = cache + (table.astype(jnp.int32),)
     layer, length = fd.layer_operand(layer), length.astype(jnp.int32)
     grid = (batch, kv_heads, splits + 1)
     return pl.pallas_call(
@@ -400,7 +457,7 @@ def num_sinks(k_sink) -> int:
 
 def decode(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, k_new, v_new, *,
            k_bits: int, v_bits: int, group_size: int, window: int | None = None, k_sink=None, v_sink=None,
-           inv_freq=None, num_splits: int | None = None, tokens_per_step: int = TOKENS_PER_STEP,
+           inv_freq=None, table=None, num_splits: int | None = None, tokens_per_step: int = TOKENS_PER_STEP,
            interpret: bool | None = None) -> jax.Array:
     """Decode attention over one layer of a KIVI cache with the Pallas kernel.
 
@@ -409,8 +466,10 @@ def decode(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, la
     (k_new after RoPE). Sinks `k_sink, v_sink [layers, batch, kv_heads, S, head_dim]` (None: no sinks) hold tokens
     `[0, S)` in full precision; `inv_freq [head_dim // 2]` (None: keys stored after RoPE) marks a cache whose keys
     (codes, ring, sinks) are stored before RoPE. The compute dtype is the rings' dtype (dots take it as input,
-    accumulate in float32). `interpret=None`: the real kernel on GPU, interpret mode elsewhere. Returns
-    `[batch, 1, q_heads, head_dim]` in q's dtype.
+    accumulate in float32). `table [batch, pages_per_seq]` int32 (None: contiguous stores): the stores are pools
+    `[layers, pages, kv_heads, R or R / G, ...]` and sequence b's token t lies in page `table[b, t // R]` (an entry
+    equal to the page count holds none); rings and sinks stay a row a sequence. `interpret=None`: the real kernel on
+    GPU, interpret mode elsewhere. Returns `[batch, 1, q_heads, head_dim]` in q's dtype.
     """
     window = fd.static_window(window)
     arrays = [fd.stacked(x, layer) for x in (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)]
@@ -418,8 +477,8 @@ def decode(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, la
     q_rows = fd.grouped_queries(q, kv_heads)
     partial = partials(
         q_rows, *arrays, layer, length, k_bits=k_bits, v_bits=v_bits, group_size=group_size, window=window,
-        sinks=num_sinks(k_sink), inv_freq=inv_freq, num_splits=num_splits, tokens_per_step=tokens_per_step,
-        interpret=fd.interpret_default(interpret),
+        sinks=num_sinks(k_sink), inv_freq=inv_freq, table=table, num_splits=num_splits,
+        tokens_per_step=tokens_per_step, interpret=fd.interpret_default(interpret),
     )
     m, l, acc = with_sinks(partial, q_rows, k_sink, v_sink, layer, length, window, inv_freq)
     return fd.combine(m, l, acc, q, k_new, v_new, head_dim**-0.5, q.dtype)
