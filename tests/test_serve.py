@@ -147,7 +147,7 @@ def test_batch_axes_and_slot_bytes(model, spec):
 
 
 def test_cli_flags():
-    from kivi_jax.cli import build_parser
+    from kivi_jax.cli import build_parser, main
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--cache", "kivi4", "--cache-budget", "2GiB", "--max-length", "1024",
@@ -157,13 +157,13 @@ def test_cli_flags():
     assert (args.prefill_batch, args.prefill_tokens) == (8, None)  # batched prefill by default
     args = parser.parse_args(["serve", "--prefill-batch", "1", "--prefill-tokens", "4096"])
     assert (args.prefill_batch, args.prefill_tokens) == (1, 4096)
-    with pytest.raises(SystemExit):  # a slot count or a budget, not both
-        parser.parse_args(["serve", "--slots", "4", "--cache-budget", "2GiB"])
+    assert main(["serve", "--slots", "4", "--cache-budget", "2GiB"]) == 2  # a slot count or a budget, not both
+    paged = parser.parse_args(["serve", "--paged", "--slots", "4", "--cache-budget", "2GiB"])  # paged: rows and bytes
+    assert paged.paged and paged.slots == 4
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefill-batch", "0"])
     bench = parser.parse_args(["bench", "serve", "--clients", "1,8", "--url", "http://127.0.0.1:8000"])
     assert bench.clients == [1, 8] and bench.cache == "full,kivi2"
-    from kivi_jax.cli import main
 
     assert main(["bench", "serve", "--url", "http://10.1.2.3:8000"]) == 2  # loopback only
 

@@ -4,6 +4,9 @@ greedy answer is what `generate` alone gives."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -88,3 +91,26 @@ def test_paged_engine_steps_equal_the_slot_engine_steps(model):
         a, b = slots.step(), pages.step()
         assert a == b
     assert np.asarray(pages.caches[0].length).tolist()[:3] == [n + 40 for n in (5, 33, 70)]
+
+
+def test_bench_serve_runs_slots_and_paged_servers_side_by_side(tiny_dirs):
+    """`kivi-jax bench serve --layout slots,paged`: one row a layout, the paged one with its page counters (every
+    page back in the pool once the level is done). In its own process: the in-process servers' log handlers outlive
+    pytest's captured streams."""
+    import json
+    import subprocess
+    import sys
+
+    args = ["bench", "serve", "--model", str(tiny_dirs["llama_mha"][0]), "--cache", SPEC, "--layout", "slots,paged",
+            "--clients", "2", "--requests-per-client", "1", "--max-tokens", "4", "--max-length", "256",
+            "--cache-budget", "2MiB", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", f"from kivi_jax.cli import main; raise SystemExit(main({args!r}))"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    rows = {r["cache"]: r for r in out["results"]}
+    assert set(rows) == {"k2v2-g8-r16", "k2v2-g8-r16 paged"} and all(r["ok"] == 2 for r in rows.values())
+    paged = rows["k2v2-g8-r16 paged"]["pages"]
+    assert paged["pages_free"] == paged["pages_total"] == out["servers"]["k2v2-g8-r16 paged"]["capacity"]["pages"]
+    assert out["servers"]["k2v2-g8-r16 paged"]["capacity"]["paged"]

@@ -16,10 +16,15 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
 
     add_model_args(p)
     add_cache_args(p, cache_default)
-    cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--slots", type=integer(1), default=None, help="sequences decoded together (default 8)")
-    cap.add_argument("--cache-budget", default=None,
-                     help="bytes for the batch cache, e.g. 4GiB: the most slots of --max-length tokens that fit")
+    p.add_argument("--slots", type=integer(1), default=None,
+                   help="sequences decoded together (default 8; with --paged and --cache-budget: as many rows as half "
+                        "the budget holds)")
+    p.add_argument("--cache-budget", default=None,
+                   help="bytes for the batch cache, e.g. 4GiB: the most slots of --max-length tokens that fit (with "
+                        "--paged: the rows and the pool of pages together)")
+    p.add_argument("--paged", action="store_true",
+                   help="a paged cache (docs/design.md §12): one pool of pages, a block table a sequence; a request "
+                        "takes the pages its prompt and max_tokens need, not a whole --max-length slot")
     p.add_argument("--max-length", type=integer(2), default=None,
                    help="tokens a slot holds, prompt plus output (default 4096 or the model's positions)")
     p.add_argument("--prefill-chunk", type=integer(1), default=DEFAULT_PREFILL_CHUNK,
@@ -71,6 +76,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
 
     spec = cache_from_args(args)  # a bad spec, size or missing extra fails before the model loads
     budget = None if args.cache_budget is None else parse_bytes(args.cache_budget)
+    if args.slots is not None and budget is not None and not getattr(args, "paged", False):
+        raise ValueError("give --slots or --cache-budget, not both (both only with --paged: its rows and its bytes)")
     body = getattr(args, "max_body_bytes", None)
     body = None if body is None else parse_bytes(body)
     if body is not None and body < 1:
@@ -85,7 +92,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,
                         model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh,
                         max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None),
-                        prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens)
+                        prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens,
+                        paged=getattr(args, "paged", False))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

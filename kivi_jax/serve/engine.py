@@ -97,6 +97,37 @@ def capacity_report(spec, cfg, max_length: int, dtype, budget: int, mesh=None) -
     return out
 
 
+MAX_PAGED_ROWS = 256  # rows a paged cache gets by default at most (each holds a ring whatever its pages)
+
+
+def paged_capacity(spec, cfg, max_length: int, dtype, budget: int | None, slots: int | None,
+                   default_slots: int) -> dict:
+    """The rows and pool of a paged cache: what a row takes (its ring, sinks, counters and table row), a page, and
+    how many of each. With `budget`: `slots` rows (default below) and the pages the rest
+    holds; without: `slots` rows (default `default_slots`) and the pages for each to reach `max_length`. The default
+    rows with a budget: as many as fit with a quarter of `max_length` in pages each (at most MAX_PAGED_ROWS)."""
+    from kivi_jax.cache import cache_bytes
+
+    itemsize = jnp.dtype(dtype).itemsize
+    row = cache_bytes(spec, cfg, 1, max_length, itemsize, pages=0)
+    page = cache_bytes(spec, cfg, 1, max_length, itemsize, pages=1) - row
+    per_sequence = jax.eval_shape(lambda: make_cache(spec, cfg, 1, max_length, dtype, pages=1)).pages_needed(max_length)
+    if budget is None:
+        slots = default_slots if slots is None else slots
+        pages = max(1, slots * per_sequence)
+    else:
+        quarter = row + page * -(-per_sequence // 4)
+        slots = max(1, min(MAX_PAGED_ROWS, budget // quarter)) if slots is None else slots
+        pages = (budget - slots * row) // page
+        if pages < 1:
+            raise ValueError(f"a cache budget of {budget} bytes leaves no page for {slots} rows of {row} bytes each "
+                             f"(pages of {page} bytes); raise the budget or give fewer --slots")
+    return {"paged": True, "row_bytes": int(row), "page_bytes": int(page), "slots": int(slots), "pages": int(pages),
+            "page_tokens": max_length // jax.eval_shape(lambda: make_cache(spec, cfg, 1, max_length, dtype,
+                                                                           pages=1)).table.shape[1],
+            "pages_a_sequence": int(per_sequence), "budget_bytes": budget}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Jitted pieces
 

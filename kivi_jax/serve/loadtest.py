@@ -3,7 +3,10 @@
 The server runs in this process (one per cache spec, each built with the same capacity flags) or is reached at
 `--url` (loopback only). For each client count, that many threads each send `--requests-per-client` streaming chat
 requests from a fixed prompt set, within a time limit; the run reports requests/s, output tokens/s, time to first
-token and inter-token latency (p50, p99) and the most slots live at once.
+token and inter-token latency (p50, p99) and the most slots live at once. `--layout slots,paged` runs each spec on
+whole slots and on a paged cache (docs/design.md §12) with the same budget; `--workload mixed` sends prompts of
+about 64 to 2048 tokens asking for 32 to 256 (seeded; the same requests for every server) instead of the short
+questions.
 """
 
 from __future__ import annotations
@@ -30,6 +33,21 @@ PROMPTS = (
     "How many legs does a spider have?",
 )
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MIXED_PROMPT_TOKENS, MIXED_OUTPUT_TOKENS = (64, 2048), (32, 256)  # --workload mixed: the ranges drawn from
+WORDS_PER_TOKEN = 0.75  # English prose in SmolLM2's tokenizer, about: a mixed prompt's words for its tokens
+
+
+def workload_request(name: str, index: int, max_tokens: int) -> tuple[str, int]:
+    """Request `index` of a workload: (prompt, max_tokens). `short`: the fixed questions, `max_tokens` each;
+    `mixed`: about 64 to 2048 tokens of repeated questions and 32 to 256 tokens asked, drawn from `index`'s seed."""
+    if name == "short":
+        return PROMPTS[index % len(PROMPTS)], max_tokens
+    rng = np.random.RandomState(index)
+    tokens = rng.randint(MIXED_PROMPT_TOKENS[0], MIXED_PROMPT_TOKENS[1] + 1)
+    words = " ".join(PROMPTS).split()
+    text = " ".join(words[(index + i) % len(words)] for i in range(int(tokens * WORDS_PER_TOKEN)))
+    return (f"Here are some questions: {text}\nAnswer the last one.",
+            int(rng.randint(MIXED_OUTPUT_TOKENS[0], MIXED_OUTPUT_TOKENS[1] + 1)))
 # --response-format json_schema: every answer held to this schema (structured output's cost against free text)
 BENCH_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
                 "required": ["answer", "confidence"]}
@@ -72,7 +90,7 @@ def _pct(values, q) -> float | None:
 
 
 def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: int, time_limit: float,
-              response_format: str = "text") -> dict:
+              response_format: str = "text", workload: str = "short") -> dict:
     """`clients` threads, each sending up to `per_client` requests (stopping at `time_limit` seconds)."""
     import httpx
 
@@ -85,8 +103,8 @@ def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: i
             for k in range(per_client):
                 if time.perf_counter() - t_start > time_limit:
                     return
-                r = stream_one(http, url, model, PROMPTS[(c * per_client + k) % len(PROMPTS)], max_tokens,
-                               response_format)
+                prompt, asked = workload_request(workload, c * per_client + k, max_tokens)
+                r = stream_one(http, url, model, prompt, asked, response_format)
                 with lock:
                     results.append(r)
 
@@ -135,7 +153,9 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
         if engine is not None:
             engine.peak_live = 0
         row = run_level(url, model, clients, args.requests_per_client, args.max_tokens, args.time_limit,
-                        args.response_format)
+                        args.response_format, args.workload)
+        if engine is not None and engine.paged:
+            row["pages"] = engine.metrics()
         row["peak_live_slots"] = engine.peak_live if engine is not None else peak_live_from_metrics(url)
         row["cache"] = label
         _log(f"{label}: {clients} clients: {row['ok']} requests in {row['seconds']} s, "
@@ -146,12 +166,15 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's throughput and latencies over the full cache's at the same client count (same run)."""
-    full = {r["clients"]: r for r in rows if is_reference(r["cache"])}
+    """Each row's throughput and latencies over the full cache's at the same client count and layout (a label is
+    the spec, then " paged" for a paged server; same run)."""
+    spec_of = lambda label: label.split(" ")[0]  # noqa: E731
+    layout_of = lambda label: label[len(spec_of(label)):]  # noqa: E731
+    full = {(r["clients"], layout_of(r["cache"])): r for r in rows if is_reference(spec_of(r["cache"]))}
     keys = ("requests_per_s", "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
     for r in rows:
-        f = full.get(r["clients"])
-        r["ratio_vs_full"] = None if f is None or is_reference(r["cache"]) else {
+        f = full.get((r["clients"], layout_of(r["cache"])))
+        r["ratio_vs_full"] = None if f is None or is_reference(spec_of(r["cache"])) else {
             k: (round(r[k] / f[k], 3) if r[k] is not None and f[k] else None) for k in keys}
     return rows
 
@@ -197,6 +220,12 @@ def add_serve_bench(sub) -> None:
     p.add_argument("--response-format", choices=sorted(RESPONSE_FORMATS), default="text",
                    help="hold every answer to JSON (json_object) or to a fixed schema (json_schema), to measure "
                         "structured output's cost (needs the grammar extra); default text")
+    p.add_argument("--layout", default="slots", type=lambda s: s.split(","),
+                   help="slots, paged, or slots,paged: each spec's server on whole slots and/or a paged cache, with "
+                        "the same budget (default slots; --paged is paged alone)")
+    p.add_argument("--workload", choices=("short", "mixed"), default="short",
+                   help="short: the fixed questions, --max-tokens each (default); mixed: about 64-2048 prompt tokens "
+                        "and 32-256 asked, seeded (the same requests for every server)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot")
     p.set_defaults(func=cmd_bench_serve)
@@ -211,10 +240,14 @@ def cmd_bench_serve(args) -> int:
     check_serve_extra(("httpx",) if args.url else ("fastapi", "uvicorn", "httpx"))
     if args.requests_per_client < 1 or args.max_tokens < 1 or max(args.clients) > 256:
         raise ValueError("--requests-per-client and --max-tokens must be at least 1, and at most 256 clients")
+    layouts = ["paged"] if args.paged else args.layout
+    if not layouts or set(layouts) - {"slots", "paged"}:
+        raise ValueError(f"--layout {','.join(layouts)}: give slots, paged or slots,paged")
     model_name = args.served_model_name or args.model
     out = {"device": bench.device_name(), "model": args.model, "clients": args.clients,
            "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens, "prompts": list(PROMPTS),
-           "response_format": RESPONSE_FORMATS[args.response_format]}
+           "response_format": RESPONSE_FORMATS[args.response_format], "workload": args.workload,
+           "layouts": layouts}
     rows, servers = [], {}
     if args.url:
         host = urlparse(args.url).hostname
@@ -224,11 +257,11 @@ def cmd_bench_serve(args) -> int:
     else:
         from kivi_jax.serve.http import ServerThread
 
-        for spec in spec_list(args.cache):
-            args_one = argparse.Namespace(**{**vars(args), "cache": spec})
+        for spec, layout in [(s, lay) for s in spec_list(args.cache) for lay in layouts]:
+            args_one = argparse.Namespace(**{**vars(args), "cache": spec, "paged": layout == "paged"})
             server = server_from_args(args_one, model_name, progress=not args.json)
             _log(server.describe())
-            name = server.engine.spec_name
+            name = server.engine.spec_name + (" paged" if layout == "paged" else "")
             servers[name] = {"capacity": server.capacity, "slots": server.engine.num_slots}
             with ServerThread(server.app) as thread:
                 rows += bench_server(thread.url, model_name, args, server.engine, label=name)

@@ -6,7 +6,7 @@ import dataclasses
 
 from kivi_jax import sharding
 from kivi_jax.config import is_reference, parse_cache_spec, spec_name
-from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, Engine, capacity_report
+from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, Engine, capacity_report, paged_capacity
 from kivi_jax.serve.scheduler import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, Scheduler  # noqa: F401
 
 DEFAULT_MAX_LENGTH = 4096
@@ -48,6 +48,11 @@ class Server:
         from kivi_jax.bench import format_bytes
 
         e, c = self.engine, self.capacity
+        if e.paged:
+            return (f"cache {e.spec_name}, paged: {e.num_slots} rows of up to {e.max_length} tokens "
+                    f"({format_bytes(c['row_bytes'])} a row), a pool of {c['pages']} pages of {c['page_tokens']} "
+                    f"tokens ({format_bytes(c['page_bytes'])} a page), {format_bytes(e.cache_bytes)} in all; "
+                    f"prompts prefilled in chunks of {e.prefill_chunk} tokens")
         line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
                 f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
         full = c["full"]
@@ -71,13 +76,14 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
-                 prefill_tokens: int | None = None) -> Server:
+                 prefill_tokens: int | None = None, paged: bool = False) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
     running requests get at shutdown): see kivi_jax.serve.http; None: the defaults above. `prefill_batch` prompts
     at most are prefilled in one call, `prefill_tokens` tokens at most (rows x chunk width; None: 512 on a CPU,
-    2048 elsewhere, `engine.default_prefill_tokens`)."""
+    2048 elsewhere, `engine.default_prefill_tokens`). `paged`: a paged cache (docs/design.md §12): `cache_budget`
+    sizes its rows and pool together (`engine.paged_capacity`), `slots` its rows."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -88,9 +94,17 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     params, tokenizer = model.params, model.tokenizer
     spec = parse_cache_spec(cache)
     max_length = default_max_length(spec, params.config) if max_length is None else max_length
-    if slots is not None and cache_budget is not None:
-        raise ValueError("give the slots or a cache budget, not both")
+    if slots is not None and cache_budget is not None and not paged:
+        raise ValueError("give the slots or a cache budget, not both (both only with --paged: its rows and bytes)")
     spec.check_shapes(params.config.head_dim, max_length)
+    if paged:
+        capacity = paged_capacity(spec, params.config, max_length, params.dtype, cache_budget, slots, DEFAULT_SLOTS)
+        engine = Engine(params, spec, slots=capacity["slots"], max_length=max_length, prefill_chunk=prefill_chunk,
+                        attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
+                        prefill_tokens=prefill_tokens, pages=capacity["pages"])
+        scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
+        app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
+        return Server(engine, scheduler, app, model_name, capacity)
     capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1, mesh)
     if cache_budget is None:
         capacity.pop("budget_bytes")
