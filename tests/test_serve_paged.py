@@ -114,3 +114,64 @@ def test_bench_serve_runs_slots_and_paged_servers_side_by_side(tiny_dirs):
     paged = rows["k2v2-g8-r16 paged"]["pages"]
     assert paged["pages_free"] == paged["pages_total"] == out["servers"]["k2v2-g8-r16 paged"]["capacity"]["pages"]
     assert out["servers"]["k2v2-g8-r16 paged"]["capacity"]["paged"]
+
+
+def test_the_openai_client_against_a_live_paged_server(tiny_dirs):
+    """Concurrent streaming chats through the `openai` client on a paged server whose pool holds two of them at a
+    time (6 to 10 pages each of 16): every answer is `generate`'s, a disconnect mid-stream gives its pages back, /metrics reports the pool."""
+    import threading
+
+    import httpx
+
+    openai = pytest.importorskip("openai")
+    from kivi_jax.serve.http import ServerThread
+    from kivi_jax.serve.server import build_server
+    from test_serve import CHAT_TEMPLATE, wait_for
+
+    model = kivi_jax.load(str(tiny_dirs["llama_mha"][0]), progress=False)
+    model.tokenizer.chat_template = CHAT_TEMPLATE
+    from kivi_jax.serve.engine import paged_capacity
+
+    sizes = paged_capacity(SPEC, model.params.config, 256, model.params.dtype, None, 4, 4)
+    budget = 4 * sizes["row_bytes"] + 16 * sizes["page_bytes"]  # 4 rows and 16 pages: two chats at a time
+    server = build_server(model, SPEC, slots=4, max_length=256, prefill_chunk=64, model_name="tiny", paged=True,
+                          cache_budget=budget)
+    eng = server.engine
+    assert eng.paged and eng.allocator.num_pages == 16 and eng.num_slots == 4
+    assert abs(eng.cache_bytes - budget) < sizes["page_bytes"]
+    texts = [f"question {i}: " + "abcdefghij" * (3 + 2 * i) for i in range(4)]
+    with ServerThread(server.app) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        got: dict[int, list[int]] = {}
+
+        def chat(i):
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": texts[i]}],
+                                                    max_tokens=60, temperature=0, stream=True,
+                                                    extra_body={"return_token_ids": True})
+            got[i] = [t for chunk in stream for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])]
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+        with server.scheduler.paused():  # all four wait before the loop runs: they must wait for pages too
+            for t in threads:
+                t.start()
+            assert wait_for(lambda: server.scheduler.queue_length() == 4)
+        for t in threads:
+            t.join(600)
+        for i, text in enumerate(texts):
+            ref = kivi_jax.generate(model, text, max_new_tokens=60, cache=SPEC, max_length=256, chat=True,
+                                    prefill_chunk=64).token_ids
+            assert got[i] == ref, i
+        assert eng.peak_live >= 2 and eng.allocator.used_pages == 0
+        body = {"model": "tiny", "messages": [{"role": "user", "content": texts[3]}], "max_tokens": 150,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    assert eng.allocator.used_pages > 0
+                    break  # the client leaves
+        assert wait_for(lambda: eng.allocator.used_pages == 0 and eng.count("live") == 0)
+        metrics = httpx.get(thread.url + "/metrics", timeout=30).text
+        assert "kivi_serve_pages_total 16" in metrics and "kivi_serve_pages_free 16" in metrics
+    eng.allocator.check()

@@ -726,6 +726,12 @@ class API:
              m["cache_bytes_in_use"]),
             ("max_length_tokens", "gauge", "tokens a slot holds", self.engine.max_length),
         ]
+        if self.engine.paged:  # docs/serving.md, "Paged cache"
+            rows += [(name, "gauge", help_, m[name]) for name, help_ in (
+                ("pages_total", "pages in the paged cache's pool"), ("pages_free", "pages neither held nor cached"),
+                ("pages_used", "pages a request holds"), ("pages_cached", "unheld pages kept as a prefix"),
+                ("pages_shared", "pages more than one request holds"))]
+            rows += [("page_evictions_total", "counter", "cached pages evicted", m["pages_evictions"])]
         counters = ["requests_queued", "requests_rejected", "requests_finished", "requests_cancelled",
                     "requests_failed", "prompt_tokens", "completion_tokens", "prefill_tokens_computed",
                     "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows"]
