@@ -43,8 +43,8 @@ def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, resid
         return f"scales in {k_store.scale.dtype} / {v_store.scale.dtype} are not served"
     if sinks is not None and jnp.dtype(sinks[0].dtype) != jnp.float32:
         return f"the kernel reads float32 sinks, not {jnp.dtype(sinks[0].dtype).name}"
-    if k_store.paged:
-        return "the native kernel does not read through a block table yet (a paged cache)"
+    if k_store.paged != v_store.paged:
+        return "the key and value stores must both be paged or both contiguous"
     return None
 
 
@@ -80,7 +80,9 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
                 inv_freq=None, int8_dots: bool = False) -> jax.Array:
     """Decode attention over one layer of a KIVI cache with the native kernel.
 
-    q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size), rings and
+    q `[batch, 1, q_heads, head_dim]` float32; stores (QuantStore: codes, scale, mn, bits, group_size; a PagedStore's
+    pools `[layers, pages, kv_heads, R or R // G, ...]` are read through its block table, an entry holding no page
+    as zeros like the XLA path, only the pages of tokens attended), rings and
     `sinks = (k_sink, v_sink)` (None: no sinks) `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or
     one layer each with `layer=None`; length `[batch]`; k_new (after RoPE), v_new `[batch, 1, kv_heads, head_dim]`
     at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring, sinks); a
@@ -101,10 +103,14 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
         k_sink, v_sink = (_stacked(s, layer).astype(jnp.float32) for s in sinks)
     freqs = jnp.zeros((head_dim // 2,), jnp.float32) if inv_freq is None else inv_freq.astype(jnp.float32)
     levels = [jnp.asarray(s.levels or (0.0,), jnp.float32) for s in (k_store, v_store)]  # (0,): uniform, not read
+    if k_store.paged:  # pools [layers, pages, ...] read through the block table (one table for keys and values)
+        table = k_store.table.astype(jnp.int32)
+    else:  # a contiguous store: sequence b's one page is its batch row
+        table = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
     call = jax.ffi.ffi_call("kivi_jax_kivi_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32), *arrays[:6], arrays[6].astype(jnp.float32), arrays[7].astype(jnp.float32),
-        _layer_operand(layer), length.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+        _layer_operand(layer), length.astype(jnp.int32), table, k_new.astype(jnp.float32), v_new.astype(jnp.float32),
         k_sink, v_sink, freqs.reshape(head_dim // 2), *levels,
         k_bits=int(k_store.bits), v_bits=int(v_store.bits), k_group=int(k_store.group_size),
         v_group=int(v_store.group_size), window=_window(window), rope=int(inv_freq is not None),

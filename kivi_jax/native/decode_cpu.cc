@@ -1,11 +1,12 @@
 // Decode attention on the CPU over the KIVI cache and the full-precision cache, as XLA FFI handlers.
 //
 // The contract is kivi_jax.attention.decode_kivi_xla / decode_full_xla (docs/design.md §2-§3, docs/kernels.md "CPU
-// kernel"): one query token a sequence, the stacked [layers, ...] stores read in place at the layer index, per-sequence
-// lengths, GQA (the query heads of a kv head share one pass over its codes), the sliding window, the ring, the new
-// token; scales and mins folded (keys: q·k = Σ_d (q_d s_gd) c_td + Σ_d q_d m_gd; values: Σ_t p_t v_td =
-// Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg; with a codebook, c is the level the code stands for); float32 in and out,
-// online softmax in float32.
+// kernel"): one query token a sequence, the stacked [layers, ...] stores read in place at the layer index (the KIVI
+// stores through a block table: a paged cache's pool of T-token pages, or a contiguous store as B pages of all its
+// tokens), per-sequence lengths, GQA (the query heads of a kv head share one pass over its codes), the sliding
+// window, the ring, the new token; scales and mins folded (keys: q·k = Σ_d (q_d s_gd) c_td + Σ_d q_d m_gd; values:
+// Σ_t p_t v_td = Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg; with a codebook, c is the level the code stands for); float32 in
+// and out, online softmax in float32.
 //
 // SIMD: GCC/Clang vector extensions, 16 floats a vector (one AVX-512 register; two AVX2 registers; portable code on
 // anything else), channels in lanes. Threads: work items (batch, kv head, query-row block, token split) shared out
