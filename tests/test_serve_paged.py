@@ -175,3 +175,24 @@ def test_the_openai_client_against_a_live_paged_server(tiny_dirs):
         metrics = httpx.get(thread.url + "/metrics", timeout=30).text
         assert "kivi_serve_pages_total 16" in metrics and "kivi_serve_pages_free 16" in metrics
     eng.allocator.check()
+
+
+def test_ignore_eos_runs_a_request_to_max_tokens(model):
+    """`ignore_eos` (vLLM's, which `bench serve --workload mixed` sends): an EOS ends nothing, so the answer is the
+    first max_tokens tokens `generate` gives; without it the answer stops at the EOS."""
+    prompt = prompts(9, [12])[0]
+    full = kivi_jax.generate(model, prompt, max_new_tokens=20, cache=SPEC, max_length=MAX_LENGTH,
+                             prefill_chunk=64).token_ids
+    eng = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64, pages=24)
+    eng.eos = frozenset({full[5]})  # a token the greedy answer holds, standing in for the EOS
+    sched = Scheduler(eng, model.tokenizer).start()
+    try:
+        plain, q1 = request(prompt, 20)
+        ignoring, q2 = request(prompt, 20)
+        ignoring.ignore_eos = True
+        sched.submit(plain)
+        sched.submit(ignoring)
+        stopped, ran = answer(q1), answer(q2)
+    finally:
+        sched.stop()
+    assert stopped == full[: full.index(full[5]) + 1] and ran == full and len(ran) == 20  # the EOS is sent, then ends

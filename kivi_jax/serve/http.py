@@ -46,7 +46,7 @@ DEFAULT_ONLY = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty"
                 "top_logprobs": None, "logit_bias": None, "echo": False, "suffix": None, "tools": None,
                 "tool_choice": None, "response_format": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "return_token_ids", "n", "response_format", "stop_token_ids", "logprobs"}
+          "return_token_ids", "n", "response_format", "stop_token_ids", "logprobs", "ignore_eos"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 ROLES = ("system", "developer", "user", "assistant")
@@ -152,7 +152,8 @@ class Parsed:
     def __init__(self, prompt: list[int], max_tokens: int | None, sampling: Sampling, stop: tuple[str, ...],
                  stream: bool, include_usage: bool, token_ids: bool, n: int = 1, logprobs: int | None = None,
                  echo: bool = False, stop_token_ids: frozenset[int] = frozenset(), grammar=None,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, ignore_eos: bool = False):
+        self.ignore_eos = ignore_eos
         self.prompt, self.max_tokens, self.sampling, self.stop = prompt, max_tokens, sampling, stop
         self.stream, self.include_usage, self.token_ids = stream, include_usage, token_ids
         self.n, self.logprobs, self.echo, self.stop_token_ids = n, logprobs, echo, stop_token_ids
@@ -345,7 +346,8 @@ class API:
             raise _bad("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
                                          f"[0, {vocab}), not {_show(stop_ids)}")
         return Parsed([], max_tokens, sampling, stop, stream, include_usage, token_ids, n=n, logprobs=logprobs,
-                      echo=echo, stop_token_ids=frozenset(stop_ids), continuous_usage=continuous)
+                      echo=echo, stop_token_ids=frozenset(stop_ids), continuous_usage=continuous,
+                      ignore_eos=_flag(body, "ignore_eos"))  # vLLM's: EOS ends nothing (benchmarks)
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         """The number of top alternatives a request wants with each token's logprob (0 = the token's own only), or
@@ -447,7 +449,7 @@ class API:
 
         req = Request(parsed.prompt, parsed.max_tokens, parsed.sampling, emit, parsed.stop, n=parsed.n,
                       logprobs=parsed.logprobs is not None, score_prompt=parsed.score_prompt,
-                      stop_token_ids=parsed.stop_token_ids, grammar=parsed.grammar)
+                      stop_token_ids=parsed.stop_token_ids, grammar=parsed.grammar, ignore_eos=parsed.ignore_eos)
         try:
             self.scheduler.submit(req)
         except QueueFull as e:

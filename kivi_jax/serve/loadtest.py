@@ -39,7 +39,8 @@ WORDS_PER_TOKEN = 0.75  # English prose in SmolLM2's tokenizer, about: a mixed p
 
 def workload_request(name: str, index: int, max_tokens: int) -> tuple[str, int]:
     """Request `index` of a workload: (prompt, max_tokens). `short`: the fixed questions, `max_tokens` each;
-    `mixed`: about 64 to 2048 tokens of repeated questions and 32 to 256 tokens asked, drawn from `index`'s seed."""
+    `mixed`: about 64 to 2048 tokens of repeated questions and 32 to 256 tokens asked (and generated: the requests
+    ignore EOS), drawn from `index`'s seed."""
     if name == "short":
         return PROMPTS[index % len(PROMPTS)], max_tokens
     rng = np.random.RandomState(index)
@@ -59,10 +60,14 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, response_format: str = "text") -> dict:
-    """One streaming chat request; returns its send time, chunk arrival times and output tokens."""
+def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, response_format: str = "text",
+               ignore_eos: bool = False) -> dict:
+    """One streaming chat request; returns its send time, chunk arrival times and output tokens. `ignore_eos`: the
+    answer runs to max_tokens (vLLM's option of that name)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if RESPONSE_FORMATS[response_format] is not None:
         body["response_format"] = RESPONSE_FORMATS[response_format]
     t0 = time.perf_counter()
@@ -104,7 +109,7 @@ def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: i
                 if time.perf_counter() - t_start > time_limit:
                     return
                 prompt, asked = workload_request(workload, c * per_client + k, max_tokens)
-                r = stream_one(http, url, model, prompt, asked, response_format)
+                r = stream_one(http, url, model, prompt, asked, response_format, ignore_eos=workload == "mixed")
                 with lock:
                     results.append(r)
 
@@ -225,7 +230,7 @@ def add_serve_bench(sub) -> None:
                         "the same budget (default slots; --paged is paged alone)")
     p.add_argument("--workload", choices=("short", "mixed"), default="short",
                    help="short: the fixed questions, --max-tokens each (default); mixed: about 64-2048 prompt tokens "
-                        "and 32-256 asked, seeded (the same requests for every server)")
+                        "and 32-256 generated (EOS ignored), seeded (the same requests for every server)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot")
     p.set_defaults(func=cmd_bench_serve)

@@ -98,6 +98,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # end a choice like an EOS (not part of its text)
     ends: Stop | None = None  # the stop rule (EOS and stop ids, max_tokens, stop strings), made at its first token
     grammar: object = None  # kivi_jax.serve.grammar.Grammar: each choice's output held to it
+    ignore_eos: bool = False  # EOS ends nothing: a choice runs to max_tokens or a stop (vLLM's, for benchmarks)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -432,7 +433,8 @@ class Scheduler:
         if choice.text is None:
             choice.text = TextStream(self.tokenizer, req.stop, self.tokenizer_lock)
         if req.ends is None:
-            req.ends = Stop(self.engine.eos | req.stop_token_ids, req.max_tokens, req.stop)
+            eos = frozenset() if req.ignore_eos else self.engine.eos
+            req.ends = Stop(eos | req.stop_token_ids, req.max_tokens, req.stop)
         stop = req.ends
         finish = stop.after(token, len(choice.generated))
         if finish != "stop":  # a stop token is not part of the text
