@@ -15,16 +15,7 @@ from kivi_jax.cache import PagedStore, make_cache
 from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 
-TOL = 1e-5
-FAST = {"xla_backend_optimization_level": 0}
-
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernels run on the CPU backend")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if not native.available():
-        pytest.skip(f"the native kernel cannot be built here: {native.error()}")
+from test_native_beyond import FAST, TOL, built, pytestmark  # noqa: F401 (the module fixture: the kernels built)
 
 
 def inv_freq(head_dim: int) -> jax.Array:
