@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kivi_jax import rotation, sharding
-from kivi_jax.cache import SCALE_OVERFLOW, make_cache, tree_bytes
+from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import REFERENCE, parse_cache_spec, spec_name
 from kivi_jax.models.decoder import Params
 from kivi_jax.runtime import (PREFILL_CHUNK, chunk_size, decode_step, prefill, prefill_scored, prefill_steps,
@@ -106,12 +106,11 @@ def paged_capacity(spec, cfg, max_length: int, dtype, budget: int | None, slots:
     how many of each. With `budget`: `slots` rows (default below) and the pages the rest
     holds; without: `slots` rows (default `default_slots`) and the pages for each to reach `max_length`. The default
     rows with a budget: as many as fit with a quarter of `max_length` in pages each (at most MAX_PAGED_ROWS)."""
-    from kivi_jax.cache import cache_bytes
-
     itemsize = jnp.dtype(dtype).itemsize
     row = cache_bytes(spec, cfg, 1, max_length, itemsize, pages=0)
     page = cache_bytes(spec, cfg, 1, max_length, itemsize, pages=1) - row
-    per_sequence = jax.eval_shape(lambda: make_cache(spec, cfg, 1, max_length, dtype, pages=1)).pages_needed(max_length)
+    one = jax.eval_shape(lambda: make_cache(spec, cfg, 1, max_length, dtype, pages=1))  # shapes only
+    per_sequence = one.pages_needed(max_length)
     if budget is None:
         slots = default_slots if slots is None else slots
         pages = max(1, slots * per_sequence)
@@ -123,8 +122,7 @@ def paged_capacity(spec, cfg, max_length: int, dtype, budget: int | None, slots:
             raise ValueError(f"a cache budget of {budget} bytes leaves no page for {slots} rows of {row} bytes each "
                              f"(pages of {page} bytes); raise the budget or give fewer --slots")
     return {"paged": True, "row_bytes": int(row), "page_bytes": int(page), "slots": int(slots), "pages": int(pages),
-            "page_tokens": max_length // jax.eval_shape(lambda: make_cache(spec, cfg, 1, max_length, dtype,
-                                                                           pages=1)).table.shape[1],
+            "page_tokens": max_length // one.table.shape[1],
             "pages_a_sequence": int(per_sequence), "budget_bytes": budget}
 
 
@@ -406,9 +404,10 @@ class Engine:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes one page takes in the pool (every store leaf's share of one page)."""
-        pool = [x for x in jax.tree_util.tree_leaves(self.caches[0]) if x.ndim == 5 and x.shape[1] == self.allocator.num_pages]
-        return tree_bytes(pool) // self.allocator.num_pages
+        """Bytes one page takes in the pool (the byte formula's difference between one page and none)."""
+        itemsize = jnp.dtype(self.dtype).itemsize
+        one, none = (cache_bytes(self.spec, self.cfg, 1, self.max_length, itemsize, pages=p) for p in (1, 0))
+        return one - none
 
     def pages_for(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """Pages one choice of a request takes in a paged cache (0 for slots): enough for the prompt and max_tokens
