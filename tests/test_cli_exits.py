@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from kivi_jax import cli_args
@@ -101,8 +102,10 @@ def test_ctrl_c_inside_a_gc_callback_still_interrupts(monkeypatch):
     monkeypatch.setattr(atexit, "register", lambda *a: at_exit.append(a))  # not this test process's exit
     fired = []
 
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C raises, whatever ran before
+
     def in_gc(phase, info):
-        if not fired:
+        if not fired and threading.current_thread() is threading.main_thread():  # a gc in another thread is not ours
             fired.append(phase)
             raise KeyboardInterrupt  # as the handler does when the signal lands here
 
@@ -116,5 +119,8 @@ def test_ctrl_c_inside_a_gc_callback_still_interrupts(monkeypatch):
             time.sleep(0.01)
         return 0
 
-    assert cli_args.run(command) == cli_args.EXIT_INTERRUPTED and fired
+    try:
+        assert cli_args.run(command) == cli_args.EXIT_INTERRUPTED and fired
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     assert at_exit == [(cli_args._exit_at_exit, cli_args.EXIT_INTERRUPTED)]
