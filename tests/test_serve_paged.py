@@ -1,6 +1,7 @@
-"""The serving engine on a paged cache (docs/design.md §12): a request takes the pages its prompt and max_tokens
-need when it is admitted and gives them back when it ends; requests wait for pages instead of failing, and every
-greedy answer is what `generate` alone gives."""
+"""The serving engine on a paged cache (docs/design.md §12): a request takes its prompt's pages when it is admitted
+and a page each time it fills one (or, reserving, those of its prompt and max_tokens at once) and gives them back
+when it ends; when the pool runs out the newest request is preempted and recomputed; requests wait for pages instead
+of failing, and every greedy answer is what `generate` alone gives."""
 
 from __future__ import annotations
 
@@ -56,6 +57,79 @@ def test_a_pool_too_small_for_every_request_at_once_still_answers_each_as_genera
     assert metrics["pages_free"] == metrics["pages_total"] == 24 and metrics["pages_used"] == 0
     assert sched.counters.get("requests_failed", 0) == 0
     assert not eng.tables[eng.tables < 24].size  # every table row holds no page
+
+
+def run_all(eng, model, batch, new, samplings=None):
+    """Every request through a scheduler on `eng` at once -> (each one's token ids, the scheduler)."""
+    from kivi_jax.serve.scheduler import Request
+
+    sched = Scheduler(eng, model.tokenizer)
+    sched.start()
+    try:
+        queued = []
+        for i, (p, m) in enumerate(zip(batch, new)):
+            req, q = request(p, m)
+            if samplings is not None:
+                req = Request(p, m, samplings[i], req.emit, ignore_eos=True)  # every draw to max_tokens
+            queued.append((sched.submit(req), q))
+        got = [answer(q) for _, q in queued]
+    finally:
+        sched.stop()
+    return got, sched
+
+
+@pytest.mark.parametrize("spec", [SPEC, "full"])
+def test_requests_that_outgrow_the_pool_are_preempted_and_answer_as_generate_alone(model, spec):
+    """Six short prompts with long answers on 6 slots: each is admitted with the pages of its prompt, then takes a
+    page as it fills one; the pool holds about half of their final pages, so the newest are preempted (pages freed,
+    queued first, prefilled again with what they generated) and every greedy answer is still `generate`'s."""
+    lengths, new = [10, 21, 5, 30, 12, 8], [70, 50, 75, 45, 60, 66]
+    batch = prompts(12, lengths)
+    pages = 16 if spec == SPEC else 18
+    eng = Engine(model.params, spec, slots=6, max_length=MAX_LENGTH, prefill_chunk=64, pages=pages)
+    final = [eng.pages_for(n, m) for n, m in zip(lengths, new)]
+    assert sum(final) > 1.5 * pages and all(eng.grows() for _ in final)
+    got, sched = run_all(eng, model, batch, new)
+    assert got == [reference(model, spec, p, m) for p, m in zip(batch, new)]
+    assert sched.counters["preemptions"] > 0 and sched.counters["requests_failed"] == 0
+    assert eng.peak_live >= 3  # more at once than whole reservations would have let in
+    eng.allocator.check()
+    assert eng.allocator.used_pages == 0 and not eng.growing and eng.metrics()["pages_free"] == pages
+
+
+def test_a_preempted_seeded_request_goes_on_with_its_key(model):
+    """A seeded choice preempted after 10 draws, its prompt prefilled again and its tokens replayed with its key given
+    back (`admit_choices(keys=, replay_from=)`), holds the key chain and draws of one never preempted."""
+    prompt = prompts(13, [20])[0]
+    sampling = Sampling(1.0, seed=7)
+    eng = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64, pages=40)
+    slot, first = eng.admit(prompt, sampling)
+    alone = [first] + [eng.step()[slot] for _ in range(20)]
+    key_alone = eng.key_of(slot)
+    eng.free(slot)
+    slot, first = eng.admit(prompt, sampling)
+    tokens = [first] + [eng.step()[slot] for _ in range(9)]
+    key = eng.key_of(slot)
+    eng.free(slot)  # preempted: the pages go back, the key and tokens stay with the request
+    again = eng.admit_choices(prompt + tokens, [sampling], max_tokens=11, keys=[key], replay_from=len(prompt))
+    slot, replayed = again.slots[0], []
+    assert again.first == [None]  # nothing is drawn until the generated tokens are replayed
+    while len(tokens) < len(alone):
+        out = eng.step_scored()[slot]
+        (replayed if out.prompt else tokens).append(out.token)
+    assert replayed == tokens[1:10]  # each replay step hands back the token it feeds next
+    assert np.array_equal(eng.key_of(slot), key_alone)
+    assert tokens == alone
+
+
+def test_reserving_pages_up_front_never_preempts(model):
+    """`grow=False`: each request takes its prompt and max_tokens' pages at admission, so requests wait instead."""
+    lengths, new = [10, 21, 5, 30, 12, 8], [70, 50, 75, 45, 60, 66]
+    batch = prompts(12, lengths)
+    eng = Engine(model.params, SPEC, slots=6, max_length=MAX_LENGTH, prefill_chunk=64, pages=16, grow=False)
+    got, sched = run_all(eng, model, batch, new)
+    assert got == [reference(model, SPEC, p, m) for p, m in zip(batch, new)]
+    assert sched.counters["preemptions"] == 0 and not eng.growing
 
 
 def test_choices_take_pages_each_and_requests_past_the_pool_are_refused_at_once(model):
@@ -174,6 +248,8 @@ def test_the_openai_client_against_a_live_paged_server(tiny_dirs):
         assert wait_for(lambda: eng.allocator.used_pages == 0 and eng.count("live") == 0)
         metrics = httpx.get(thread.url + "/metrics", timeout=30).text
         assert "kivi_serve_pages_total 16" in metrics and "kivi_serve_pages_free 16" in metrics
+        preempted = server.scheduler.counters["preemptions"]  # four growing chats, a pool for about two of them
+        assert f"kivi_serve_preemptions_total {preempted}" in metrics
     eng.allocator.check()
 
 

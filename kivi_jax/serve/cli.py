@@ -24,7 +24,11 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "--paged: the rows and the pool of pages together)")
     p.add_argument("--paged", action="store_true",
                    help="a paged cache (docs/design.md §12): one pool of pages, a block table a sequence; a request "
-                        "takes the pages its prompt and max_tokens need, not a whole --max-length slot")
+                        "takes its prompt's pages and a page as it fills one (the newest request is preempted and "
+                        "recomputed when the pool runs out), not a whole --max-length slot")
+    p.add_argument("--reserve-pages", action="store_true",
+                   help="with --paged: a request takes the pages of its prompt and max_tokens when it is admitted "
+                        "(no preemption; requests wait longer)")
     p.add_argument("--max-length", type=integer(2), default=None,
                    help="tokens a slot holds, prompt plus output (default 4096 or the model's positions)")
     p.add_argument("--prefill-chunk", type=integer(1), default=DEFAULT_PREFILL_CHUNK,
@@ -78,6 +82,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
     budget = None if args.cache_budget is None else parse_bytes(args.cache_budget)
     if args.slots is not None and budget is not None and not getattr(args, "paged", False):
         raise ValueError("give --slots or --cache-budget, not both (both only with --paged: its rows and its bytes)")
+    if getattr(args, "reserve_pages", False) and not getattr(args, "paged", False):
+        raise ValueError("--reserve-pages is an option of the paged cache: add --paged, or drop --reserve-pages")
     body = getattr(args, "max_body_bytes", None)
     body = None if body is None else parse_bytes(body)
     if body is not None and body < 1:
@@ -93,7 +99,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh,
                         max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None),
                         prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens,
-                        paged=getattr(args, "paged", False))
+                        paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -45,7 +45,7 @@ from kivi_jax.models.decoder import Params
 from kivi_jax.runtime import (PREFILL_CHUNK, chunk_size, decode_step, prefill, prefill_scored, prefill_steps,
                               sample_first)
 from kivi_jax.sampling import Sampling, bitmask_width, row_settings
-from kivi_jax.serve.pages import PageAllocator
+from kivi_jax.serve.pages import PageAllocator, PoolExhausted
 
 DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFILL_BATCH = 8  # prompts prefilled together at most (in power-of-two row counts)
@@ -236,6 +236,7 @@ class Waiting:
     logprobs: bool = False
     constraints: Sequence | None = None
     max_tokens: int | None = None  # sizes a paged request's pages (None: up to max_length)
+    keys: Sequence | None = None  # each choice's sampling key `[2]` to go on from (a preempted request), else seeds
 
 
 @dataclasses.dataclass
@@ -302,6 +303,7 @@ class Engine:
         prefill_tokens: int | None = None,
         buckets: bool = True,
         pages: int | None = None,
+        grow: bool = True,
     ):
         cfg = params.config
         if pages is not None and mesh is not None:
@@ -359,6 +361,11 @@ class Engine:
             self.allocator = PageAllocator(pages, max_length // table.shape[1], f"{self.spec}")
             self.tables = np.full(table.shape, pages, np.int32)  # [slots, pages a sequence]: the host's block tables
             self.slot_pages: dict[int, list[int]] = {}
+            # Growing (`grow`): a one-choice request takes the pages of its prompt and one token more, then a page each
+            # time it fills one (`grow_pages`, before every decode step); the scheduler preempts when the pool runs
+            # out. Other requests (several choices, a scored prompt) take prompt and max_tokens' pages at admission.
+            self.grow = grow
+            self.growing: set[int] = set()  # the slots whose pages are taken as they grow
             prefix_reuse = False  # a held slot would hold its pages: sharing prefix pages is what replaces it
         self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
         self.mask_words = bitmask_width(cfg.vocab_size)
@@ -409,13 +416,25 @@ class Engine:
         one, none = (cache_bytes(self.spec, self.cfg, 1, self.max_length, itemsize, pages=p) for p in (1, 0))
         return one - none
 
-    def pages_for(self, prompt_tokens: int, max_tokens: int | None) -> int:
+    def pages_for(self, prompt_tokens: int, max_tokens: int | None, grows: bool = False) -> int:
         """Pages one choice of a request takes in a paged cache (0 for slots): enough for the prompt and max_tokens
-        (None: up to max_length)."""
+        (None: up to max_length), or, for a request that `grows`, for the prompt and the first token fed."""
         if not self.paged:
             return 0
-        total = self.max_length if max_tokens is None else min(prompt_tokens + max_tokens, self.max_length)
+        if grows:
+            total = min(prompt_tokens + 1, self.max_length)
+        else:
+            total = self.max_length if max_tokens is None else min(prompt_tokens + max_tokens, self.max_length)
         return self.caches[0].pages_needed(total)
+
+    def grows(self, n: int = 1, scored: bool = False) -> bool:
+        """Whether a request of `n` choices takes its pages as it grows (paged with `grow`, one choice, its prompt not
+        scored: a request the scheduler can preempt and recompute) instead of all at admission."""
+        return self.paged and self.grow and n == 1 and not scored
+
+    def admission_pages(self, prompt_tokens: int, max_tokens: int | None, n: int = 1, scored: bool = False) -> int:
+        """Pages a request of `n` choices takes when it is admitted (0 for slots)."""
+        return n * self.pages_for(prompt_tokens, max_tokens, self.grows(n, scored))
 
     def free_pages(self) -> float:
         """Pages that can be had now (infinite for slots)."""
@@ -429,15 +448,25 @@ class Engine:
                              f"of its prompt and max_tokens) and the pool has {self.allocator.num_pages}; lower "
                              "max_tokens or n, or serve with a larger --cache-budget")
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> bool:
-        """Whether a request of `n` choices could be admitted now: `n` open slots and, paged, their pages."""
-        return self.has_free_slot(n) and n * self.pages_for(prompt_tokens, max_tokens) <= self.free_pages()
+    @property
+    def headroom(self) -> int:
+        """Pages an admission must leave free: one for each growing sequence's next page (vLLM's watermark), so
+        that a request just admitted does not make the next step preempt."""
+        return len(self.growing) if self.paged else 0
 
-    def _reserve_pages(self, slots: Sequence[int], prompt_tokens: int, max_tokens: int | None) -> None:
+    def can_admit(self, prompt_tokens: int, max_tokens: int | None, n: int = 1, scored: bool = False) -> bool:
+        """Whether a request of `n` choices could be admitted now: `n` open slots and, paged, their pages with the
+        headroom left."""
+        pages = self.admission_pages(prompt_tokens, max_tokens, n, scored)
+        return self.has_free_slot(n) and (not self.paged or pages + self.headroom <= self.free_pages())
+
+    def _reserve_pages(self, slots: Sequence[int], prompt_tokens: int, max_tokens: int | None,
+                       scored: bool = False) -> None:
         """Takes each slot's pages (paged; before anything is written into them) and writes its table row."""
         if not self.paged:
             return
-        need = self.pages_for(prompt_tokens, max_tokens)
+        grows = self.grows(len(slots), scored)
+        need = self.pages_for(prompt_tokens, max_tokens, grows)
         if not self.allocator.can_allocate(need * len(slots)):
             raise NoFreeSlot(f"{len(slots)} choices need {need} pages each; {self.free_pages()} of "
                              f"{self.allocator.num_pages} are free")
@@ -446,6 +475,42 @@ class Engine:
             self.slot_pages[slot] = pages
             self.tables[slot] = self.allocator.num_pages
             self.tables[slot, :need] = pages
+            if grows:
+                self.growing.add(slot)
+
+    def pages_wanted(self) -> dict[int, int]:
+        """{growing live slot: pages it must take before the next decode step} (the step writes its next token)."""
+        if not self.paged:
+            return {}
+        want = {}
+        for slot in sorted(self.growing):
+            s = self.slots[slot]
+            if s.state == LIVE:
+                k = self.caches[0].pages_needed(min(len(s.tokens) + 1, self.max_length)) - len(self.slot_pages[slot])
+                if k > 0:
+                    want[slot] = k
+        return want
+
+    def can_grow(self) -> bool:
+        """Whether the pool has the pages the next decode step needs (always, unpaged)."""
+        return not self.paged or self.allocator.can_allocate(sum(self.pages_wanted().values()))
+
+    def grow_pages(self) -> None:
+        """Gives each growing live slot the pages its next token needs; `PoolExhausted` (nothing taken) when the pool
+        has too few: the caller preempts first (`pages_wanted` says how many)."""
+        want = self.pages_wanted()
+        if not want:
+            return
+        total = sum(want.values())
+        if not self.allocator.can_allocate(total):
+            raise PoolExhausted(f"the next step needs {total} pages for {len(want)} sequences and "
+                                f"{self.free_pages()} are free: preempt a request first")
+        for slot, k in want.items():
+            held = self.slot_pages[slot]
+            new = self.allocator.allocate(k)
+            self.tables[slot, len(held) : len(held) + k] = new
+            held.extend(new)
+        self.caches[0] = self.caches[0].with_table(self.tables)
 
     def room(self, prompt_tokens: int) -> int:
         """Tokens a slot has left after a prompt of this many (what max_tokens defaults to), or ValueError when the
@@ -562,17 +627,21 @@ class Engine:
 
     def admit_choices(self, prompt: list[int], samplings: Sequence[Sampling], *, score_prompt: bool = False,
                       logprobs: bool = False, constraints: Sequence | None = None,
-                      max_tokens: int | None = None) -> Admitted:
+                      max_tokens: int | None = None, keys: Sequence | None = None,
+                      replay_from: int | None = None) -> Admitted:
         """Prefills `prompt` once and puts it in one slot per choice (each with its own sampling and key, from its
         seed). Without `score_prompt` a held prefix is reused when one matches and every choice's first token is
         sampled now; with it the prompt is scored (see the module docstring; the first prompt token has no score) and
         the choices start live on the prompt's remaining tokens, if any. `logprobs`: every Out carries its scores;
         `constraints[i]`: choice i's grammar matcher (or None); `max_tokens` (None: up to max_length) sizes a paged
-        request's pages."""
+        request's pages; `keys`: each choice's key to go on from (else from its seed). `replay_from`: prefill only
+        `prompt[:replay_from]` and feed the rest one token a decode step, not drawn (a preempted request replaying
+        its original prompt's prefill and then the tokens it generated, so that its cache and logits are what they
+        were bit for bit; its first Outs are those tokens, marked `prompt`)."""
         k, constraints = self.check_request(prompt, samplings, constraints, max_tokens)
-        if not self.can_admit(len(prompt), max_tokens, k):
-            raise NoFreeSlot(f"{k} choices need {self.pages_for(len(prompt), max_tokens)} pages each; "
-                             f"{self.free_pages()} are free")
+        if not self.can_admit(len(prompt), max_tokens, k, score_prompt):
+            raise NoFreeSlot(f"{k} choices need {self.admission_pages(len(prompt), max_tokens, k, score_prompt)} "
+                             f"pages and {self.headroom} more kept free; {self.free_pages()} are free")
         slots, start, seq = [], 0, None
         scores = None
         if score_prompt:
@@ -580,6 +649,11 @@ class Engine:
             done = self.spec.exact_prefill(len(prompt))
             scores, logits, seq = self.prefill_scored(prompt[:done], (prompt[1:] + [self.cfg.pad_id])[:done])
             scores = scores[: len(prompt) - 1]  # the last position predicts the first generated token
+        elif replay_from is not None:
+            if not 0 < replay_from < len(prompt):
+                raise ValueError(f"replay_from={replay_from} must be in [1, {len(prompt)}) (the original prompt)")
+            logits, seq = self.prefill(prompt[:replay_from])
+            done = replay_from
         else:
             reuse = self._reusable(prompt)
             if reuse is not None:
@@ -588,8 +662,8 @@ class Engine:
             done = len(prompt)
         while len(slots) < k:
             slots.append(self._pick_slot(slots))
-        self._reserve_pages(slots, len(prompt), max_tokens)
-        admitted = self._place(Waiting(prompt, samplings, logprobs, constraints), slots, logits, seq, 0, done)
+        self._reserve_pages(slots, len(prompt), max_tokens, score_prompt)
+        admitted = self._place(Waiting(prompt, samplings, logprobs, constraints, keys=keys), slots, logits, seq, 0, done)
         admitted.prompt_scores = scores
         self.counters["prefill_tokens_computed"] += done - start
         self.counters["prefix_tokens_reused"] += start
@@ -620,7 +694,8 @@ class Engine:
         prompt is in; otherwise the prompt goes on one token a step, scored."""
         prompt, samplings, constraints, k = req.prompt, req.samplings, req.constraints, len(req.samplings)
         keys = jnp.stack([jax.random.PRNGKey(s.seed if s.seed is not None else secrets.randbits(31))
-                          for s in samplings])  # [choices, 2]
+                          if req.keys is None else jnp.asarray(req.keys[i], jnp.uint32)
+                          for i, s in enumerate(samplings)])  # [choices, 2]
         rows = [Slot(LIVE, list(prompt[:done]), 0, s, time.monotonic(), collections.deque(prompt[done + 1 :]),
                      req.logprobs, c) for s, c in zip(samplings, constraints)]
         first: list[Out | None] = [None] * k
@@ -680,10 +755,10 @@ class Engine:
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints, r.max_tokens)
             need += k
-            pages += k * self.pages_for(len(r.prompt), r.max_tokens)
-        if not self.has_free_slot(need) or pages > self.free_pages():
-            raise NoFreeSlot(f"{len(requests)} requests need {need} slots and {pages} pages; {self.open_slots()} "
-                             f"slots and {self.free_pages()} pages are open")
+            pages += self.admission_pages(len(r.prompt), r.max_tokens, k)
+        if not self.has_free_slot(need) or (self.paged and pages + self.headroom > self.free_pages()):
+            raise NoFreeSlot(f"{len(requests)} requests need {need} slots and {pages} pages ({self.headroom} more kept "
+                             f"free); {self.open_slots()} slots and {self.free_pages()} pages are open")
         slots = []
         for r in requests:
             mine = []
@@ -760,6 +835,7 @@ class Engine:
         live = self.live_slots()
         if not live:
             return {}
+        self.grow_pages()
         pending = []
         for g, (first, n) in enumerate(self.groups):
             idx = [i for i in range(n) if self.slots[first + i].state == LIVE]  # live rows of the group
@@ -801,6 +877,11 @@ class Engine:
         self.counters["decode_steps"] += 1
         return out
 
+    def key_of(self, slot: int) -> np.ndarray:
+        """The slot's sampling key `[2]` (what its next draw splits), for a request to go on from after preemption."""
+        g, row = self._where(slot)
+        return np.asarray(sharding.to_host(self.keys[g])[row])
+
     def overflowed(self, slot: int) -> bool:
         """Whether a float16 scale overflowed in the slot's cache row (its output is unreliable; `-sf32` scales or the
         full cache avoid it): the row's sticky SCALE_OVERFLOW flag, which the request's prefill (or the prefix it
@@ -823,6 +904,7 @@ class Engine:
         g, row = self._where(slot)
         if self.paged:
             self.allocator.release(self.slot_pages.pop(slot, []))
+            self.growing.discard(slot)
             self.tables[slot] = self.allocator.num_pages
             self.caches[0] = self.caches[0].with_table(self.tables)
         with sharding.use_mesh(self.mesh):

@@ -736,7 +736,7 @@ class API:
             rows += [("page_evictions_total", "counter", "cached pages evicted", m["pages_evictions"])]
         counters = ["requests_queued", "requests_rejected", "requests_finished", "requests_cancelled",
                     "requests_failed", "prompt_tokens", "completion_tokens", "prefill_tokens_computed",
-                    "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows"]
+                    "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows", "preemptions"]
         rows += [(f"{c}_total", "counter", c.replace("_", " "), m.get(c, 0)) for c in counters]
         lines = []
         for name, kind, help_, value in rows:

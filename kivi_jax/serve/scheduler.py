@@ -31,7 +31,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after 
 
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is averaged
 COUNTERS = ("requests_queued", "requests_rejected", "requests_finished", "requests_cancelled", "requests_failed",
-            "prompt_tokens", "completion_tokens")
+            "prompt_tokens", "completion_tokens", "preemptions")
 
 
 class QueueFull(RuntimeError):
@@ -83,6 +83,8 @@ class Choice:
     sent_tokens: int = 0
     finish_reason: str | None = None
     slot: int | None = None
+    matcher: object = None  # its grammar matcher (made once, so that it survives a preemption)
+    key: object = None  # its sampling key `[2]` when it was preempted (the next draw goes on from it)
 
 
 @dataclasses.dataclass
@@ -103,6 +105,8 @@ class Request:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    admitted_at: float = 0.0  # when it last went live (the newest is preempted first)
+    preemptions: int = 0
     choices: list[Choice] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)  # sent with the end (the `warnings` field)
 
@@ -117,6 +121,23 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its cache holds when it goes live again after a preemption: the prompt and what its one choice
+        generated (the prompt prefilled as before, then the generated tokens replayed a decode step each, so that
+        the cache is what it was; `Engine.admit_choices(replay_from=)`)."""
+        return self.prompt + self.choices[0].generated if self.n == 1 else self.prompt
+
+    @property
+    def tokens_left(self) -> int:
+        """max_tokens less what was generated before a preemption."""
+        return self.max_tokens - (len(self.choices[0].generated) if self.n == 1 else 0)
+
+    @property
+    def resume_keys(self) -> list | None:
+        """Each choice's key to go on from after a preemption, or None (keys from the seeds)."""
+        return [c.key for c in self.choices] if any(c.key is not None for c in self.choices) else None
 
     @property
     def usage(self) -> dict:
@@ -298,6 +319,7 @@ class Scheduler:
             self._advance()
         if not self.active:
             return
+        self._make_room()
         out = self.engine.step_scored()
         self._count_tokens(sum(not o.prompt for o in out.values()))
         for slot, o in out.items():
@@ -312,7 +334,8 @@ class Scheduler:
             if block and not self.waiting:
                 self._waiting_changed.wait(0.05)
             first = self.waiting[0] if self.waiting else None
-            if first is not None and self.engine.can_admit(len(first.prompt), first.max_tokens, first.n):
+            if first is not None and self.engine.can_admit(len(first.context), first.tokens_left, first.n,
+                                                           first.score_prompt):
                 return self.waiting.popleft()
             return None
 
@@ -325,13 +348,15 @@ class Scheduler:
             if req.cancelled.is_set():  # cancelled by its flag alone (`Request.cancel`), not through `cancel`
                 self.count("requests_cancelled")
                 continue
-            if not req.score_prompt and self.engine.batchable(req.prompt):
+            if not req.score_prompt and not req.preemptions and self.engine.batchable(req.context):
                 self._start_job(req)
                 return  # the job's requests go live when its last chunk has run; the next iteration admits more
             try:
-                admitted = self.engine.admit_choices(req.prompt, [c.sampling for c in req.choices],
+                admitted = self.engine.admit_choices(req.context, [c.sampling for c in req.choices],
                                                      score_prompt=req.score_prompt, logprobs=req.logprobs,
-                                                     constraints=self._constraints(req), max_tokens=req.max_tokens)
+                                                     constraints=self._constraints(req), max_tokens=req.tokens_left,
+                                                     keys=req.resume_keys,
+                                                     replay_from=len(req.prompt) if req.preemptions else None)
             except (ValueError, OverflowError) as e:  # this request's own values; checked before queueing, but a
                 self._fail(req, str(e))               # direct caller can still get here
                 continue
@@ -339,11 +364,18 @@ class Scheduler:
 
     @staticmethod
     def _constraints(req: Request) -> list | None:
-        return None if req.grammar is None else [req.grammar.matcher() for _ in req.choices]
+        """Each choice's grammar matcher (made at its first admission, kept through preemptions), or None."""
+        if req.grammar is None:
+            return None
+        for c in req.choices:
+            if c.matcher is None:
+                c.matcher = req.grammar.matcher()
+        return [c.matcher for c in req.choices]
 
     def _waiting_of(self, req: Request) -> Waiting | None:
         """The engine's view of a request, or None (and the request failed) when it does not fit."""
-        w = Waiting(req.prompt, [c.sampling for c in req.choices], req.logprobs, self._constraints(req), req.max_tokens)
+        w = Waiting(req.context, [c.sampling for c in req.choices], req.logprobs, self._constraints(req),
+                    req.tokens_left, req.resume_keys)
         try:
             self.engine.check_request(w.prompt, w.samplings, w.constraints, w.max_tokens)
         except (ValueError, OverflowError) as e:
@@ -354,10 +386,10 @@ class Scheduler:
     def _start_job(self, first: Request) -> None:
         """Starts a batched prefill of `first` and of the waiting requests behind it that share its prefill shape
         (plain ones, no held prefix to reuse), as many as the token budget and the open slots allow."""
-        shape = self.engine.prefill_shape(first.prompt)
+        shape = self.engine.prefill_shape(first.context)
         room, open_slots = self.engine.prefill_room(shape), self.engine.open_slots()
-        open_pages = self.engine.free_pages()
-        pages = lambda req: req.n * self.engine.pages_for(len(req.prompt), req.max_tokens)  # noqa: E731
+        open_pages = self.engine.free_pages() - self.engine.headroom
+        pages = lambda req: self.engine.admission_pages(len(req.context), req.tokens_left, req.n)  # noqa: E731
         taken, reqs = [], []
         w = self._waiting_of(first)
         if w is not None:
@@ -366,8 +398,8 @@ class Scheduler:
             for req in list(self.waiting):
                 if len(taken) >= room:
                     break
-                if (req.score_prompt or req.n > open_slots or pages(req) > open_pages or req.cancelled.is_set()
-                        or self.engine.prefill_shape(req.prompt) != shape or not self.engine.batchable(req.prompt)):
+                if (req.score_prompt or req.preemptions or req.n > open_slots or pages(req) > open_pages or req.cancelled.is_set()
+                        or self.engine.prefill_shape(req.context) != shape or not self.engine.batchable(req.context)):
                     continue
                 w = self._waiting_of(req)
                 self.waiting.remove(req)
@@ -396,6 +428,7 @@ class Scheduler:
 
     def _went_live(self, req: Request, admitted: Admitted) -> None:
         """A request is in its slots: its choices become active and hear their first tokens."""
+        req.admitted_at = time.monotonic()
         for choice, slot, first in zip(req.choices, admitted.slots, admitted.first):
             self.active[slot] = req, choice
             choice.slot = slot
@@ -406,6 +439,34 @@ class Scheduler:
             if first is not None and choice.finish_reason is None:
                 self._count_tokens(1)
                 self._on_token(req, choice, slot, first)
+
+    def _make_room(self) -> None:
+        """Preempts the newest growing requests (vLLM's recompute preemption: pages freed, the request queued first
+        to be computed again) until the pool has the pages the next decode step needs."""
+        while not self.engine.can_grow():
+            growing = {self.active[s][0].id: self.active[s][0] for s in self.engine.growing if s in self.active}
+            if not growing:
+                return  # nothing to preempt: the step raises PoolExhausted
+            self._preempt(max(growing.values(), key=lambda r: r.admitted_at))
+
+    def _preempt(self, req: Request) -> None:
+        """Frees a live request's slots and pages and queues it first; its choice keeps its tokens, text, key and
+        grammar state, so that it goes on where it stopped once its prompt is prefilled and its tokens replayed."""
+        for slot, (r, choice) in list(self.active.items()):
+            if r is req:
+                choice.key = self.engine.key_of(slot)
+                if self.engine.overflowed(slot):
+                    warning = overflow_warning(self.engine.spec_name, choice.index)
+                    if warning not in req.warnings:
+                        req.warnings.append(warning)
+                del self.active[slot]
+                choice.slot = None
+                self.engine.free(slot)
+        req.preemptions += 1
+        self.count("preemptions")
+        with self._waiting_changed:
+            self.waiting.appendleft(req)  # admitted once already: the queue bound does not apply
+            self._waiting_changed.notify()
 
     def _fail(self, req: Request, message: str, status: int = 500) -> None:
         self.count("requests_failed")
@@ -418,6 +479,8 @@ class Scheduler:
             self._finish(req, choice, slot, "length")
 
     def _on_token(self, req: Request, choice: Choice, slot: int, out: Out) -> None:
+        if out.prompt and not req.score_prompt:
+            return  # a preempted request replaying a token it generated (and sent) before
         if out.prompt:
             choice.prompt_scores.append(out)
             if len(choice.prompt_scores) == len(req.prompt) - 1:
@@ -455,7 +518,9 @@ class Scheduler:
     def _finish(self, req: Request, choice: Choice, slot: int, reason: str) -> None:
         choice.finish_reason = reason
         if self.engine.overflowed(slot):
-            req.warnings.append(overflow_warning(self.engine.spec_name, choice.index))
+            warning = overflow_warning(self.engine.spec_name, choice.index)
+            if warning not in req.warnings:  # (already there when it overflowed before a preemption)
+                req.warnings.append(warning)
         del self.active[slot]
         self.engine.finish(slot, hold=self.hold_prefixes)
         req.emit(Event("done", finish_reason=reason, index=choice.index))
