@@ -2,7 +2,8 @@
 and `decode_full_xla` (their pure-jnp twins), run through `jax.ffi.ffi_call` on the CPU backend.
 
 The stacked `[layers, ...]` stores and rings are the call's operands (read in place at the traced `layer` index,
-never sliced); a one-layer array (`layer=None`) gets a free leading axis. float32 in and out.
+never sliced); a one-layer array (`layer=None`) gets a free leading axis. float32 in and out; the KIVI kernel reads
+a residual ring stored in float32, float16 or bfloat16 (rows widened to float32 as read, like the XLA path).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ KERNEL_BITS = (2, 3, 4)
 KERNEL_KEY_GROUPS = (32, 64, 128)
 HEAD_DIMS = (64, 128)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+RING_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)  # the KIVI ring as stored (the kernel computes in float32)
 # Whether `attention_impl="auto"` takes the native kernel for the full-precision cache too: only where it beat the
 # XLA path on the decode benchmark (docs/benchmarks.md, "Native CPU kernels").
 FULL_AUTO = True  # it did on the 2-core machine, 2026-12-01: 0.31-0.75x the XLA path's step
@@ -37,8 +39,10 @@ def unsupported_kivi(q_dtype, head_dim: int, k_store, v_store, ring_dtype, resid
         return f"the value channel group {v_store.group_size} must be a multiple of 16 dividing head_dim={head_dim}"
     if residual % k_store.group_size:
         return f"residual_length={residual} is not a multiple of group_size={k_store.group_size}"
-    if jnp.dtype(q_dtype) != jnp.float32 or jnp.dtype(ring_dtype) != jnp.float32:
-        return f"the kernel computes in float32, not {jnp.dtype(q_dtype).name}"
+    if jnp.dtype(q_dtype) != jnp.float32:
+        return f"the kernel computes in float32: queries in {jnp.dtype(q_dtype).name} are not served"
+    if jnp.dtype(ring_dtype) not in RING_DTYPES:
+        return f"the kernel reads a float32, float16 or bfloat16 ring, not {jnp.dtype(ring_dtype).name}"
     if k_store.scale.dtype not in SCALE_DTYPES or k_store.scale.dtype != v_store.scale.dtype:
         return f"scales in {k_store.scale.dtype} / {v_store.scale.dtype} are not served"
     if sinks is not None and jnp.dtype(sinks[0].dtype) != jnp.float32:
@@ -84,12 +88,13 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
     pools `[layers, pages, kv_heads, R or R // G, ...]` are read through its block table, an entry holding no page
     as zeros like the XLA path, only the pages of tokens attended), rings and
     `sinks = (k_sink, v_sink)` (None: no sinks) `[layers, batch, kv_heads, ...]` with `layer` a (traced) index, or
-    one layer each with `layer=None`; length `[batch]`; k_new (after RoPE), v_new `[batch, 1, kv_heads, head_dim]`
-    at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring, sinks); a
-    store's `levels` (codebook) go along as an operand. `int8_dots`, where `int8_dots()`: 2-bit uniform keys after RoPE
-    are scored with the folded query rounded to int8 per row and key group, 2-bit uniform values summed with the
-    weights rounded to 8 bits per row, key group and value group (the twin: `attention.decode_kivi_xla(...,
-    int8_dots=True)`).
+    one layer each with `layer=None` (rings in float32, float16 or bfloat16, read as stored and widened to float32;
+    any other dtype is cast to float32 first); length `[batch]`; k_new (after RoPE), v_new `[batch, 1, kv_heads,
+    head_dim]` at position length; `inv_freq [head_dim // 2]` float32 marks keys stored before RoPE (codes, ring,
+    sinks); a store's `levels` (codebook) go along as an operand. `int8_dots`, where `int8_dots()`: 2-bit uniform
+    keys after RoPE are scored with the folded query rounded to int8 per row and key group, 2-bit uniform values
+    summed with the weights rounded to 8 bits per row, key group and value group (the twin:
+    `attention.decode_kivi_xla(..., int8_dots=True)`).
     Returns q's shape, float32.
     """
     if build.load() is None:
@@ -107,9 +112,10 @@ def decode_kivi(q, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new
         table = k_store.table.astype(jnp.int32)
     else:  # a contiguous store: sequence b's one page is its batch row
         table = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
+    rings = [r if r.dtype in RING_DTYPES else r.astype(jnp.float32) for r in arrays[6:]]  # 16-bit: never copied
     call = jax.ffi.ffi_call("kivi_jax_kivi_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
-        q.astype(jnp.float32), *arrays[:6], arrays[6].astype(jnp.float32), arrays[7].astype(jnp.float32),
+        q.astype(jnp.float32), *arrays[:6], *rings,
         _layer_operand(layer), length.astype(jnp.int32), table, k_new.astype(jnp.float32), v_new.astype(jnp.float32),
         k_sink, v_sink, freqs.reshape(head_dim // 2), *levels,
         k_bits=int(k_store.bits), v_bits=int(v_store.bits), k_group=int(k_store.group_size),

@@ -6,7 +6,8 @@
 // tokens), per-sequence lengths, GQA (the query heads of a kv head share one pass over its codes), the sliding
 // window, the ring, the new token; scales and mins folded (keys: q·k = Σ_d (q_d s_gd) c_td + Σ_d q_d m_gd; values:
 // Σ_t p_t v_td = Σ_t (p_t s_tg) c_td + Σ_t p_t m_tg; with a codebook, c is the level the code stands for); float32 in
-// and out, online softmax in float32.
+// and out (the KIVI ring may be stored in float16 or bfloat16: its rows are widened to float32 as read), online
+// softmax in float32.
 //
 // SIMD: GCC/Clang vector extensions, 16 floats a vector (one AVX-512 register; two AVX2 registers; portable code on
 // anything else), channels in lanes. Threads: work items (batch, kv head, query-row block, token split) shared out
@@ -100,7 +101,8 @@ struct KiviArgs {
   const float* q;
   const uint8_t *kc, *vc;
   const void *ks, *km, *vs, *vm;
-  const float *kr, *vr;
+  const void *kr, *vr;  // rings [L, B, H, R, D] of type krt / vrt (float32, float16 or bfloat16), read as float32
+  ScaleType krt = F32, vrt = F32;
   const float *k_sink, *v_sink;  // [L, B, H, S, D]: tokens [0, S) in full precision (S = 0: none)
   int64_t S;
   const float* rope;  // pre-RoPE keys: [tokens, D] per position, cos of the D/2 angles then their sin; else null
@@ -116,7 +118,7 @@ struct KiviArgs {
   const uint8_t* zero = nullptr;
   int scale_bytes;
 
-  // layer-and-head offsets (in elements) of the rings
+  // layer-and-head index of the rings (times R * D: the offset of its first row, in elements)
   int64_t head_index(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
 
   // Page `block` of sequence b (tokens [block * T, (block + 1) * T)) at this layer and kv head h.
@@ -130,6 +132,15 @@ struct KiviArgs {
                 at(vm, vso)};
   }
 };
+
+// Ring row `row` (in rows of D) as float32: the row itself when the ring is float32, else converted into `buf`
+// (float16 and bfloat16 widen exactly, as the XLA path's `astype(float32)`).
+template <int D>
+inline const float* ring_row(const void* ring, ScaleType t, int64_t row, float* buf) {
+  if (t == F32) return static_cast<const float*>(ring) + row * D;
+  load_scales(ring, row * D, D, t, buf);
+  return buf;
+}
 
 // Bytes a row of D codes of BITS bits packs into (3 bits: a 2-bit plane of D/4 bytes, then a 1-bit plane of D/8).
 template <int D, int BITS>
@@ -645,8 +656,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
   // Residual segment (the last split): ring slots holding tokens in [max(main_end, lo), length); keys already flushed
   // (token < k_end) come from the last quantized key block, dequantized.
   if (split == a.splits - 1 && length > 0) {
-    const float* kr = a.kr + hi * R * D;
-    const float* vr = a.vr + hi * R * D;
+    const int64_t ring0 = hi * R;  // this layer and head's first ring row
     const int64_t flushed_row = std::max<int64_t>(length / R - 1, 0) * R;
     const int64_t last_tok = length - 1;
     const int64_t seg_lo = std::max(main_end, lo_q);
@@ -673,7 +683,7 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
           if (a.k_levels) code_levels<D>(codes, a.k_levels, a.k_nlevels);
           for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
         } else {
-          std::memcpy(key, kr + slot * D, D * sizeof(float));
+          load_scales(a.kr, (ring0 + slot) * D, D, a.krt, key);  // the ring row, as float32
         }
         if (a.rope) {  // a pre-RoPE key (ring or flushed block), rotated by its position
           vf x[D / W];
@@ -688,8 +698,9 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
         }
       }
       st.update(scores, p, n);
+      alignas(64) float vbuf[D];
       for (int i = 0; i < n; ++i) {
-        const float* v = vr + slots[i] * D;
+        const float* v = ring_row<D>(a.vr, a.vrt, ring0 + slots[i], vbuf);
         for (int r = 0; r < NR; ++r) {
           const float pr = p[r][i];
           for (int k = 0; k < D / W; ++k) st.acc[r][k] += vload(v + k * W) * pr;
@@ -1032,7 +1043,7 @@ FullFn full_kernel(int nr, int64_t D, bool eight = false) {
 
 ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc, ffi::AnyBuffer ks,
                           ffi::AnyBuffer km, ffi::Buffer<ffi::U8> vc, ffi::AnyBuffer vs, ffi::AnyBuffer vm,
-                          ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr, ffi::Buffer<ffi::S32> layer,
+                          ffi::AnyBuffer kr, ffi::AnyBuffer vr, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::S32> tab, ffi::Buffer<ffi::F32> kn,
                           ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::F32> k_sink, ffi::Buffer<ffi::F32> v_sink, ffi::Buffer<ffi::F32> inv_freq,
                           ffi::Buffer<ffi::F32> k_levels, ffi::Buffer<ffi::F32> v_levels,
@@ -1066,9 +1077,19 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   else if (et == ffi::DataType::BF16) a.st = BF16;
   else if (et == ffi::DataType::F32) a.st = F32;
   else return ffi::Error::InvalidArgument("kivi_decode: scales must be float16, bfloat16 or float32");
+  auto ring_type = [](ffi::DataType t, ScaleType& out) {
+    if (t == ffi::DataType::F32) out = F32;
+    else if (t == ffi::DataType::F16) out = F16;
+    else if (t == ffi::DataType::BF16) out = BF16;
+    else return false;
+    return true;
+  };
+  if (!ring_type(kr.element_type(), a.krt) || !ring_type(vr.element_type(), a.vrt))
+    return ffi::Error::InvalidArgument("kivi_decode: rings must be float32, float16 or bfloat16");
   if (a.gk < 32 || a.gk > MAX_CHUNK || a.T % a.gk || a.R % a.gk || a.gv < W || a.gv % W || a.D % a.gv)
     return ffi::Error::InvalidArgument("kivi_decode: unsupported group sizes");
-  if (td[0] != a.B || krd[1] != a.B || krd[0] != a.L || krd[2] != a.H || vcd[0] != a.L || vcd[1] != a.NP ||
+  if (td[0] != a.B || krd[1] != a.B || krd[0] != a.L || krd[2] != a.H || krd[4] != a.D || !(vr.dimensions() == krd) ||
+      vcd[0] != a.L || vcd[1] != a.NP ||
       vcd[2] != a.H || vcd[3] != a.T || (int64_t)length.element_count() != a.B)
     return ffi::Error::InvalidArgument("kivi_decode: stores, rings, lengths and the table disagree on their shapes");
   KiviFn probe = kivi_kernel(MAX_ROWS, a.D, a.kbits, a.vbits);
@@ -1084,8 +1105,8 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.km = km.untyped_data();
   a.vs = vs.untyped_data();
   a.vm = vm.untyped_data();
-  a.kr = kr.typed_data();
-  a.vr = vr.typed_data();
+  a.kr = kr.untyped_data();
+  a.vr = vr.untyped_data();
   a.S = skd[3];
   if (a.S > 0 && (skd[0] != a.L || skd[1] != a.B || skd[2] != a.H || skd[4] != qd[3] ||
                   v_sink.dimensions().size() != 5 || v_sink.element_count() != k_sink.element_count()))
@@ -1244,8 +1265,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxKiviDecode, KiviDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // value codes [L, pages, H, T, D / pv]
                                   .Arg<ffi::AnyBuffer>()         // value scales [L, pages, H, T, D / Gv]
                                   .Arg<ffi::AnyBuffer>()         // value mins
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // key ring [L, B, H, R, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // value ring
+                                  .Arg<ffi::AnyBuffer>()         // key ring [L, B, H, R, D] (f32, f16 or bf16)
+                                  .Arg<ffi::AnyBuffer>()         // value ring (f32, f16 or bf16)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // length [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block table [B, pages a sequence] (contiguous: [b])
