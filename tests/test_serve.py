@@ -159,7 +159,8 @@ def test_cli_flags():
     assert (args.prefill_batch, args.prefill_tokens) == (1, 4096)
     assert main(["serve", "--slots", "4", "--cache-budget", "2GiB"]) == 2  # a slot count or a budget, not both
     paged = parser.parse_args(["serve", "--paged", "--slots", "4", "--cache-budget", "2GiB"])  # paged: rows and bytes
-    assert paged.paged and paged.slots == 4
+    assert paged.paged and paged.slots == 4 and not paged.reserve_pages
+    assert main(["serve", "--reserve-pages"]) == 2  # an option of the paged cache only
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefill-batch", "0"])
     bench = parser.parse_args(["bench", "serve", "--clients", "1,8", "--url", "http://127.0.0.1:8000"])

@@ -185,6 +185,7 @@ def test_bench_serve_runs_slots_and_paged_servers_side_by_side(tiny_dirs):
     out = json.loads(run.stdout)
     rows = {r["cache"]: r for r in out["results"]}
     assert set(rows) == {"k2v2-g8-r16", "k2v2-g8-r16 paged"} and all(r["ok"] == 2 for r in rows.values())
+    assert all(r["preemptions"] >= 0 for r in rows.values())  # read from each server's /metrics
     paged = rows["k2v2-g8-r16 paged"]["pages"]
     assert paged["pages_free"] == paged["pages_total"] == out["servers"]["k2v2-g8-r16 paged"]["capacity"]["pages"]
     assert out["servers"]["k2v2-g8-r16 paged"]["capacity"]["paged"]

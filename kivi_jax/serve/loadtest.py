@@ -131,13 +131,18 @@ def run_level(url: str, model: str, clients: int, per_client: int, max_tokens: i
             "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99)}
 
 
-def peak_live_from_metrics(url: str) -> int | None:
+def metric_from_url(url: str, name: str) -> int | None:
+    """The server's /metrics value `kivi_serve_<name>` (None if it has none)."""
     import httpx
 
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("kivi_serve_peak_live_slots "):
+        if line.startswith(f"kivi_serve_{name} "):
             return int(float(line.split()[1]))
     return None
+
+
+def peak_live_from_metrics(url: str) -> int | None:
+    return metric_from_url(url, "peak_live_slots")
 
 
 def bench_server(url: str, model: str, args, engine=None, label: str = "") -> list[dict]:
@@ -157,15 +162,19 @@ def bench_server(url: str, model: str, args, engine=None, label: str = "") -> li
     for clients in args.clients:
         if engine is not None:
             engine.peak_live = 0
+        preempted = metric_from_url(url, "preemptions_total")
         row = run_level(url, model, clients, args.requests_per_client, args.max_tokens, args.time_limit,
                         args.response_format, args.workload)
         if engine is not None and engine.paged:
             row["pages"] = engine.metrics()
         row["peak_live_slots"] = engine.peak_live if engine is not None else peak_live_from_metrics(url)
+        if preempted is not None:
+            row["preemptions"] = metric_from_url(url, "preemptions_total") - preempted
         row["cache"] = label
         _log(f"{label}: {clients} clients: {row['ok']} requests in {row['seconds']} s, "
              f"{row['output_tokens_per_s']} tokens/s, TTFT p50 {row['ttft_ms_p50']} ms, "
-             f"ITL p50 {row['itl_ms_p50']} ms, peak slots {row['peak_live_slots']}")
+             f"ITL p50 {row['itl_ms_p50']} ms, peak slots {row['peak_live_slots']}"
+             + (f", preemptions {row['preemptions']}" if row.get("preemptions") else ""))
         rows.append(row)
     return rows
 
