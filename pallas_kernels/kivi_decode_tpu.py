@@ -17,9 +17,12 @@ float32 over all n_rep query heads of the kv head at once (rows padded to 8 subl
 are dequantized per piece and rotated in vregs (pieces i and i + n/2 are RoPE's two halves). Sinks and the new
 token are attended in the jnp epilogue (`kivi_decode.with_sinks`, `flash_decoding.combine`).
 
-Paged caches (not built yet): every copy reads one R-token block of one (layer, sequence, kv head), and its source
-row is computed in one place (`_block_rows`); a block table `[batch, blocks]` passed as one more scalar-prefetch
-operand would map the logical block to a physical page there, nothing else changes.
+Paged caches (`table` given, kivi_jax/paged.py): the stores are pools `[layers, pages, kv_heads, R or R / G, ...]`,
+one R-token block a page, and the block table `[batch, blocks]` (flattened) is a third scalar-prefetch operand. Every
+copy reads one R-token block of one (layer, sequence, kv head), and where it lies is computed in one place
+(`_block_at`): row `block * R` of sequence b, or row 0 of page `table[b, block]`. A block whose entry holds no page
+(the page count) is never copied; rows a program reads but does not attend (no page, or not written yet: anything,
+NaN included) are masked out of the scores and zeroed in the values, so they change no output bit.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ TOKENS_PER_STEP = 256  # tokens a main program copies and reads per loop step (w
 SUBLANES = 8  # query rows are padded to a multiple of this (a vreg is 8 sublanes x 128 lanes of 32 bits)
 CACHE_ARRAYS = ("k_codes", "k_scale", "k_mn", "v_codes", "v_scale", "v_mn")  # copied block by block
 RING_ARRAYS = ("k_ring", "v_ring", "k_codes", "k_scale", "k_mn")  # copied once by the residual program
+PAGED = True  # `decode(..., table=...)` reads pools through a block table (kivi_jax/attention.py hands it one)
 
 
 def unsupported(head_dim: int, k_bits: int, v_bits: int, group_size: int, residual: int, key_axis: str = "channel",
@@ -67,23 +71,45 @@ def interpret_params(interpret):
     return interpret or False
 
 
-def _block_rows(block, residual: int, group_size: int):
-    """(first code row, first key-scale row) of the logical R-token block `block` of a sequence: the one place that
-    would read a block table (`table[b, block] * R` in a page pool)."""
-    return block * residual, block * (residual // group_size)
+def _block_at(table_ref, b, block, residual: int, group_size: int, blocks: int, num_pages: int):
+    """Where logical R-token block `block` of sequence b lies: (index on the stores' second axis, first code row,
+    first key-scale row, held). Contiguous (`table_ref` None): sequence b, row `block * R`, held (True). Paged
+    (`table_ref [batch * blocks]` int32 in SMEM, `blocks` entries a sequence): page `table[b, block]`, row 0, held
+    unless the entry is `num_pages` (then index 0, which the caller must not copy)."""
+    if table_ref is None:
+        return b, block * residual, block * (residual // group_size), True
+    page = table_ref[b * blocks + block]
+    held = page < num_pages
+    return jnp.where(held, page, 0), 0, 0, held
+
+
+def _when(held, copies, method: str):
+    """Starts (or waits for) `copies` where `held`: always where it is Python True (contiguous), else under
+    `pl.when`."""
+    def run():
+        for c in copies:
+            getattr(c, method)()
+
+    if held is True:
+        run()
+    else:
+        pl.when(held)(run)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel
 
 
-def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm, vm_hbm, kr_hbm, vr_hbm, *refs,
-            k_bits, v_bits, group_size, residual, window, sinks, rope, splits, step):
-    inv_ref, refs = (refs[0], refs[1:]) if rope else (None, refs)
+def _kernel(layer_ref, length_ref, *refs, k_bits, v_bits, group_size, residual, window, sinks, rope, paged, blocks,
+            splits, step):
+    table_ref, refs = (refs[0], refs[1:]) if paged else (None, refs)  # [batch * blocks] int32
+    q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm, vm_hbm, kr_hbm, vr_hbm = refs[:9]
+    inv_ref, refs = (refs[9], refs[10:]) if rope else (None, refs[9:])
     m_ref, l_ref, acc_ref, kc_buf, ks_buf, km_buf, vc_buf, vs_buf, vm_buf, sems = refs[:10]
     kr_buf, vr_buf, fkc_buf, fks_buf, fkm_buf, ring_sems = refs[10:]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], length_ref[b]
+    block_at = lambda block: _block_at(table_ref, b, block, residual, group_size, blocks, kc_hbm.shape[1])
     rows, head_dim = q_ref.shape
     g, half = group_size, head_dim // 2
     sm_scale = head_dim**-0.5
@@ -161,26 +187,26 @@ def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm
         start = first + s * per_split
         hbm = (kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm, vm_hbm)
         bufs = (kc_buf, ks_buf, km_buf, vc_buf, vs_buf, vm_buf)
-        blocks = step // residual
 
         def block_copies(i, j, slot):
-            """The DMAs of R-token block j of step `start + i` into buffer `slot`: its code rows, key scale and min
-            rows, value scale and min rows."""
-            row, key_row = _block_rows(lax.div((start + i) * step, residual) + j, residual, g)
+            """The DMAs of R-token block j of step `start + i` into buffer `slot` (its code rows, key scale and min
+            rows, value scale and min rows), and whether the block is held (none may run where it is not)."""
+            seq, row, key_row, held = block_at(lax.div((start + i) * step, residual) + j)
             out = []
             for a, (src, dst) in enumerate(zip(hbm, bufs)):
                 n, at = (residual // g, key_row) if a in (1, 2) else (residual, row)
-                out.append(pltpu.make_async_copy(src.at[layer, b, h, pl.ds(at, n)], dst.at[slot, pl.ds(j * n, n)],
+                out.append(pltpu.make_async_copy(src.at[layer, seq, h, pl.ds(at, n)], dst.at[slot, pl.ds(j * n, n)],
                                                  sems.at[a, slot]))
-            return out
+            return out, held
 
         def step_copies(i, slot, method):
-            """Starts (or waits for) every copy of step `start + i`, a loop over its R-token blocks."""
+            """Starts (or waits for) every copy of step `start + i`, a loop over its held R-token blocks (the same
+            table entries at the start and the wait: each wait matches its start)."""
             def each(j, carry):
-                for c in block_copies(i, j, slot):
-                    getattr(c, method)()
+                copies, held = block_copies(i, j, slot)
+                _when(held, copies, method)
                 return carry
-            lax.fori_loop(0, blocks, each, 0)
+            lax.fori_loop(0, step // residual, each, 0)
 
         @pl.when(mine > 0)
         def prefetch_first():
@@ -199,8 +225,11 @@ def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm
             codes_at = lambda byte, w: kc_buf[slot, :, pl.ds(byte, w)]
             scale_at = lambda which, c0, w: (ks_buf, km_buf)[which][slot, :, pl.ds(c0, w)].astype(jnp.float32)
             pos = t_step + iota((1, step), 1)
-            valid = (pos >= lo) & (pos < main_end)
+            valid = (pos >= lo) & (pos < main_end)  # [1, step]; a score's NaN stays in its column: masked here
             scores = jnp.where(valid, key_scores(codes_at, scale_at, t_step + iota((step, 1), 0)), -jnp.inf)
+            if paged:  # [step, 1]: the value rows attended; the others may hold anything (no page, not written)
+                pos_col = t_step + iota((step, 1), 0)
+                rows_ok = (pos_col >= lo) & (pos_col < main_end)
             m, alpha, p, l = online_update(m, l, scores)
             out = []
             for a, pc in zip(acc, v_pieces):
@@ -208,6 +237,8 @@ def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm
                 scale = vs_buf[slot, :, pl.ds(grp, 1)].astype(jnp.float32)  # [step, 1]
                 mn = vm_buf[slot, :, pl.ds(grp, 1)].astype(jnp.float32)
                 values = unpack(lambda byte, w: vc_buf[slot, :, pl.ds(byte, w)], pc) * scale + mn  # [step, w]
+                if paged:  # zeroed where not attended: p is 0 there, but 0 * NaN is NaN
+                    values = jnp.where(rows_ok, values, 0.0)
                 out.append(a * alpha + dot_nn(p, values))
             return m, l, out
 
@@ -221,20 +252,23 @@ def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm
         """The newest up-to-R tokens: keys from the ring, or, once flushed, from row `(length // R - 1) * R + slot`
         of the last quantized key block; values from the ring."""
         flushed = jnp.maximum(lax.div(length, residual) - 1, 0)  # the last flushed block (block 0 before any)
-        row, key_row = _block_rows(flushed, residual, g)
-        srcs = (kr_hbm.at[layer, b, h], vr_hbm.at[layer, b, h], kc_hbm.at[layer, b, h, pl.ds(row, residual)],
-                ks_hbm.at[layer, b, h, pl.ds(key_row, residual // g)],
-                km_hbm.at[layer, b, h, pl.ds(key_row, residual // g)])
+        seq, row, key_row, held = block_at(flushed)
+        srcs = (kr_hbm.at[layer, b, h], vr_hbm.at[layer, b, h], kc_hbm.at[layer, seq, h, pl.ds(row, residual)],
+                ks_hbm.at[layer, seq, h, pl.ds(key_row, residual // g)],
+                km_hbm.at[layer, seq, h, pl.ds(key_row, residual // g)])
         copies = [pltpu.make_async_copy(src, dst, ring_sems.at[a])
                   for a, (src, dst) in enumerate(zip(srcs, (kr_buf, vr_buf, fkc_buf, fks_buf, fkm_buf)))]
-        for c in copies:
+        rings, block = copies[:2], copies[2:]  # the flushed block: held whenever one is attended (length >= R)
+        for c in rings:
             c.start()
-        for c in copies:
+        _when(held, block, "start")
+        for c in rings:
             c.wait()
+        _when(held, block, "wait")
         tok, quantized = kd.ring_slot_tokens(length, iota((1, residual), 1), residual)  # [1, R]
         codes_at = lambda byte, w: fkc_buf[:, pl.ds(byte, w)]
         scale_at = lambda which, c0, w: (fks_buf, fkm_buf)[which][:, pl.ds(c0, w)].astype(jnp.float32)
-        s_quant = key_scores(codes_at, scale_at, row + iota((residual, 1), 0))
+        s_quant = key_scores(codes_at, scale_at, flushed * residual + iota((residual, 1), 0))
         if rope:  # the ring's pre-RoPE keys in halves, rotated by the tokens their slots hold
             tok_col, _ = kd.ring_slot_tokens(length, iota((residual, 1), 0), residual)  # [R, 1]
             halves = [kr_buf[:, pl.ds(i * half, half)].astype(jnp.float32) for i in range(2)]
@@ -248,19 +282,26 @@ def _kernel(layer_ref, length_ref, q_ref, kc_hbm, ks_hbm, km_hbm, vc_hbm, vs_hbm
 
 
 def partials(q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, *, k_bits,
-             v_bits, group_size, window, sinks=0, inv_freq=None, num_splits=None, tokens_per_step=TOKENS_PER_STEP,
-             interpret=None):
+             v_bits, group_size, window, sinks=0, inv_freq=None, table=None, num_splits=None,
+             tokens_per_step=TOKENS_PER_STEP, interpret=None):
     """The kernel's partials `(m, l, acc)` `[batch, kv_heads, splits + 1, rows(, head_dim)]` for padded float32
     queries `q_rows [batch, kv_heads, rows, head_dim]`; the last split is the residual segment. Tokens below `sinks`
-    are left out (the sinks hold them); `inv_freq [D/2]` float32: keys are stored before RoPE."""
+    are left out (the sinks hold them); `inv_freq [D/2]` float32: keys are stored before RoPE; `table [batch,
+    blocks]` int32: the stores are pools of R-token pages read through it."""
     _, batch, kv_heads, max_tokens, k_width = k_codes.shape
     rows, head_dim = q_rows.shape[2:]
     residual, g = k_ring.shape[3], group_size
+    paged = table is not None
+    blocks = max_tokens // residual  # table entries a sequence
+    if paged:  # pools [layers, pages, kv_heads, R, X]: the table gives the batch and the capacity
+        batch, blocks = table.shape
+        max_tokens = blocks * residual
     step = step_tokens(max_tokens, residual, tokens_per_step)
     splits = num_splits or 1  # the grid runs in sequence on a TensorCore: splits only feed a second core
     rope = inv_freq is not None
     kernel = functools.partial(_kernel, k_bits=k_bits, v_bits=v_bits, group_size=g, residual=residual,
-                               window=window, sinks=sinks, rope=rope, splits=splits, step=step)
+                               window=window, sinks=sinks, rope=rope, paged=paged, blocks=blocks, splits=splits,
+                               step=step)
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # left in HBM: the kernel copies what it reads
     in_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, *_: (b, h, 0, 0))] + [hbm] * 8
     operands = [q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring]
@@ -284,10 +325,13 @@ def partials(q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_r
         pltpu.SemaphoreType.DMA((len(RING_ARRAYS),)),
     ]
     part = lambda *tail: pl.BlockSpec((None, None, None, rows) + tail, lambda b, h, s, *_: (b, h, s, 0, 0))
+    prefetch = [fd.layer_operand(layer), length.astype(jnp.int32)]  # [1], [batch]
+    if paged:  # [batch * blocks]: flattened to 1-D in SMEM, indexed `b * blocks + block`
+        prefetch.append(table.astype(jnp.int32).reshape(batch * blocks))
     m, l, acc = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,  # the layer, the lengths (a block table would be the third)
+            num_scalar_prefetch=len(prefetch),  # the layer, the lengths, the block table when paged
             grid=(batch, kv_heads, splits + 1),
             in_specs=in_specs,
             out_specs=[part(1), part(1), part(head_dim)],
@@ -301,26 +345,28 @@ def partials(q_rows, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_r
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret_params(interpret),
         name="kivi_decode_tpu",
-    )(fd.layer_operand(layer), length.astype(jnp.int32), *operands)
+    )(*prefetch, *operands)
     return m[..., 0], l[..., 0], acc
 
 
 def decode(q, k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring, layer, length, k_new, v_new, *,
            k_bits: int, v_bits: int, group_size: int, window: int | None = None, k_sink=None, v_sink=None,
-           inv_freq=None, num_splits: int | None = None, tokens_per_step: int = TOKENS_PER_STEP,
+           inv_freq=None, table=None, num_splits: int | None = None, tokens_per_step: int = TOKENS_PER_STEP,
            interpret=None) -> jax.Array:
     """Decode attention over one layer of a KIVI cache with the TPU kernel: `kivi_decode.decode`'s arguments and
     result (q `[batch, 1, q_heads, head_dim]`, cache arrays stacked `[layers, ...]` with a traced `layer` or one
-    layer with `layer=None`, sinks, `inv_freq` for a pre-RoPE cache). Every dot and the softmax are float32 whatever
-    the rings' dtype. `interpret`: see `interpret_params`. Returns `[batch, 1, q_heads, head_dim]` in q's dtype."""
+    layer with `layer=None`, sinks, `inv_freq` for a pre-RoPE cache, `table [batch, blocks]` int32 for stores that
+    are pools `[layers, pages, kv_heads, R or R / G, ...]`; rings and sinks stay a row a sequence). Every dot and the
+    softmax are float32 whatever the rings' dtype. `interpret`: see `interpret_params`. Returns `[batch, 1, q_heads,
+    head_dim]` in q's dtype."""
     window = fd.static_window(window)
     arrays = [fd.stacked(x, layer) for x in (k_codes, k_scale, k_mn, v_codes, v_scale, v_mn, k_ring, v_ring)]
     kv_heads, head_dim = arrays[0].shape[2], q.shape[-1]
     q_rows = fd.grouped_queries(q, kv_heads, query_rows(q.shape[2] // kv_heads))
     partial = partials(
         q_rows, *arrays, layer, length, k_bits=k_bits, v_bits=v_bits, group_size=group_size, window=window,
-        sinks=kd.num_sinks(k_sink), inv_freq=inv_freq, num_splits=num_splits, tokens_per_step=tokens_per_step,
-        interpret=interpret,
+        sinks=kd.num_sinks(k_sink), inv_freq=inv_freq, table=table, num_splits=num_splits,
+        tokens_per_step=tokens_per_step, interpret=interpret,
     )
     m, l, acc = kd.with_sinks(partial, q_rows, k_sink, v_sink, layer, length, window, inv_freq)
     return fd.combine(m, l, acc, q, k_new, v_new, head_dim**-0.5, q.dtype)
