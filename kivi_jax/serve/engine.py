@@ -17,6 +17,11 @@ With `mesh` (docs/sharding.md) the params and every group's batch cache are shar
 data axis, heads over the model axis), a request is prefilled into a one-sequence cache that is whole on every data
 shard (heads still split), and insert / extract move one row between the two without gathering a batch cache.
 
+With `pages` (docs/design.md §12) the slots share one pool of pages through block tables: a request takes its
+prompt's pages and then a page as it fills one; the scheduler preempts when the pool runs out, and a preempted
+request comes back through `admit_choices(replay_from=)`: its prompt prefilled again, its generated tokens fed
+back one a step on the forced-token path below, so that its cache is what it was.
+
 Scoring a prompt (`echo` with logprobs, docs/serving.md): each prompt token's log-probability is what a decode step
 reading the cache would give it, as `kivi-jax eval` scores text. The first R tokens (all of them for the full cache)
 are prefilled in one piece with logits at every position: nothing is quantized before the ring first fills, so that
@@ -353,19 +358,19 @@ class Engine:
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh, pages=pages)
                        for _, n in self.groups]
-        # Paged (docs/design.md §12): every slot a block table into one pool; a request's pages, enough for its
-        # prompt and max_tokens, are taken when its slots are reserved and given back when they are freed
+        # Paged (docs/design.md §12): every slot a block table into one pool; pages are taken when a request's slots
+        # are reserved and given back when they are freed. Growing (`grow`): a one-choice request takes the pages of
+        # its prompt and one token more, then a page each time it fills one (`grow_pages`, before every decode step);
+        # the scheduler preempts when the pool runs out. Other requests (several choices, a scored prompt), and all
+        # without `grow`, take their prompt and max_tokens' pages at admission.
         self.paged = pages is not None
+        self.grow = grow and self.paged
+        self.growing: set[int] = set()  # the slots whose pages are taken as they grow (paged)
         if self.paged:
             table = self.caches[0].table
             self.allocator = PageAllocator(pages, max_length // table.shape[1], f"{self.spec}")
             self.tables = np.full(table.shape, pages, np.int32)  # [slots, pages a sequence]: the host's block tables
             self.slot_pages: dict[int, list[int]] = {}
-            # Growing (`grow`): a one-choice request takes the pages of its prompt and one token more, then a page each
-            # time it fills one (`grow_pages`, before every decode step); the scheduler preempts when the pool runs
-            # out. Other requests (several choices, a scored prompt) take prompt and max_tokens' pages at admission.
-            self.grow = grow
-            self.growing: set[int] = set()  # the slots whose pages are taken as they grow
             prefix_reuse = False  # a held slot would hold its pages: sharing prefix pages is what replaces it
         self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
         self.mask_words = bitmask_width(cfg.vocab_size)
