@@ -296,3 +296,17 @@ def test_random_stress_against_a_model():
         a.release(pages)
     assert a.used_pages == 0 and a.free_pages + a.cached_pages == n_pages
     a.check()
+
+
+def test_share_adds_a_reference_to_held_pages_only():
+    a = PageAllocator(4, 16)
+    held = a.allocate(2)
+    a.share(held)
+    assert [a.refcount(p) for p in held] == [2, 2] and a.metrics()["pages_shared"] == 2
+    with pytest.raises(ValueError, match="not held"):
+        a.share([p for p in range(4) if p not in held][:1])
+    assert [a.refcount(p) for p in held] == [2, 2]  # a refused share takes nothing
+    a.release(held)
+    a.release(held)
+    assert a.free_pages == 4
+    a.check()

@@ -273,3 +273,39 @@ def test_ignore_eos_runs_a_request_to_max_tokens(model):
     finally:
         sched.stop()
     assert stopped == full[: full.index(full[5]) + 1] and ran == full and len(ran) == 20  # the EOS is sent, then ends
+
+
+@pytest.mark.parametrize("spec", [SPEC, "full"])
+def test_two_requests_with_a_common_prefix_hold_its_pages_once_and_answer_as_generate_alone(model, spec):
+    """With prefix snapshots a prompt's prefill leaves its cache at each chunk end (`Snapshot`: the ring as it stood,
+    and the pages then final); a second prompt sharing that 64-token prefix starts from it: its table names the same
+    pages (held by both requests and the snapshot, counted once), it computes only its own tokens, and both answers
+    are `generate`'s. Another salt shares nothing."""
+    eng = Engine(model.params, spec, slots=4, max_length=MAX_LENGTH, prefill_chunk=64, pages=60, prefix_snapshots=4)
+    common = prompts(21, [64])[0]
+    a, b = (common + tail for tail in prompts(22, [30, 41]))
+    first_a = eng.admit_choices(a, [Sampling(0.0)], max_tokens=20)
+    snap = eng.shared_prefix(b)
+    assert snap is not None and snap.length == 64 and len(snap.pages) >= 2
+    computed = eng.counters["prefill_tokens_computed"]
+    first_b = eng.admit_choices(b, [Sampling(0.0)], max_tokens=20)
+    assert eng.counters["prefill_tokens_computed"] - computed == len(b) - 64
+    assert eng.counters["prefix_tokens_reused"] == 64
+    sa, sb = first_a.slots[0], first_b.slots[0]
+    shared = set(eng.slot_pages[sa]) & set(eng.slot_pages[sb])
+    assert shared == set(snap.pages) and eng.slot_pages[sb][: len(snap.pages)] == snap.pages
+    assert all(eng.allocator.refcount(p) == 3 for p in shared)  # both requests and the snapshot
+    assert eng.allocator.used_pages == len(set(eng.slot_pages[sa]) | set(eng.slot_pages[sb]))
+    outs = {sa: [first_a.first[0].token], sb: [first_b.first[0].token]}
+    for _ in range(19):
+        for slot, token in eng.step().items():
+            outs[slot].append(token)
+    assert outs[sa] == reference(model, spec, a, 20) and outs[sb] == reference(model, spec, b, 20)
+    assert eng.shared_prefix(b, salt="tenant-2") is None
+    other = eng.admit_choices(b, [Sampling(0.0)], max_tokens=20, salt="tenant-2")
+    assert not set(eng.slot_pages[other.slots[0]]) & shared
+    for slot in (sa, sb, other.slots[0]):
+        eng.free(slot)
+    held = sum(len(s.pages) for s in eng.snapshots.values())
+    assert eng.allocator.used_pages <= held and eng.free_pages() == eng.allocator.num_pages  # snapshots alone
+    eng.allocator.check()

@@ -29,6 +29,11 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     p.add_argument("--reserve-pages", action="store_true",
                    help="with --paged: a request takes the pages of its prompt and max_tokens when it is admitted "
                         "(no preemption; requests wait longer)")
+    p.add_argument("--prefix-snapshots", type=integer(0), default=0,
+                   help="with --paged: keep the cache of this many prompt prefixes (at chunk ends: the ring as it "
+                        "stood, the pages then final) so that a prompt starting with one shares its pages and computes "
+                        "only the rest (docs/serving.md; each snapshot is a one-row cache outside --cache-budget; "
+                        "default 0: none)")
     p.add_argument("--max-length", type=integer(2), default=None,
                    help="tokens a slot holds, prompt plus output (default 4096 or the model's positions)")
     p.add_argument("--prefill-chunk", type=integer(1), default=DEFAULT_PREFILL_CHUNK,
@@ -82,8 +87,10 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
     budget = None if args.cache_budget is None else parse_bytes(args.cache_budget)
     if args.slots is not None and budget is not None and not getattr(args, "paged", False):
         raise ValueError("give --slots or --cache-budget, not both (both only with --paged: its rows and its bytes)")
-    if getattr(args, "reserve_pages", False) and not getattr(args, "paged", False):
-        raise ValueError("--reserve-pages is an option of the paged cache: add --paged, or drop --reserve-pages")
+    for flag in ("reserve_pages", "prefix_snapshots"):
+        if getattr(args, flag, False) and not getattr(args, "paged", False):
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} is an option of the paged cache: add --paged, or drop {name}")
     body = getattr(args, "max_body_bytes", None)
     body = None if body is None else parse_bytes(body)
     if body is not None and body < 1:
@@ -99,7 +106,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh,
                         max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None),
                         prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens,
-                        paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False))
+                        paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
+                        prefix_snapshots=getattr(args, "prefix_snapshots", 0))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import secrets
 import time
 from typing import NamedTuple, Sequence
@@ -45,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from kivi_jax import rotation, sharding
 from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache, tree_bytes
-from kivi_jax.config import REFERENCE, parse_cache_spec, spec_name
+from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.decoder import Params
 from kivi_jax.runtime import (PREFILL_CHUNK, chunk_size, decode_step, prefill, prefill_scored, prefill_steps,
                               sample_first)
@@ -242,6 +243,18 @@ class Waiting:
     constraints: Sequence | None = None
     max_tokens: int | None = None  # sizes a paged request's pages (None: up to max_length)
     keys: Sequence | None = None  # each choice's sampling key `[2]` to go on from (a preempted request), else seeds
+    salt: str = ""  # its tenant's prefix namespace (`cache_salt`): prefixes are shared only within one salt
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A prompt prefix's cache as its prefill left it at a chunk boundary (docs/design.md §12, "Shared prefixes"):
+    a one-row contiguous cache of `length` tokens (its ring and sinks as they stood) and the pool pages of its final
+    blocks, which the snapshot holds a reference to."""
+
+    length: int
+    cache: object
+    pages: list[int]
 
 
 @dataclasses.dataclass
@@ -256,6 +269,7 @@ class PrefillJob:
     chunks_left: int
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
     cache: object = None
+    taken: list = dataclasses.field(default_factory=list)  # per request: prefix snapshots `(length, cache)` taken
 
 
 @dataclasses.dataclass
@@ -309,6 +323,7 @@ class Engine:
         buckets: bool = True,
         pages: int | None = None,
         grow: bool = True,
+        prefix_snapshots: int = 0,
     ):
         cfg = params.config
         if pages is not None and mesh is not None:
@@ -366,6 +381,15 @@ class Engine:
         self.paged = pages is not None
         self.grow = grow and self.paged
         self.growing: set[int] = set()  # the slots whose pages are taken as they grow (paged)
+        # Shared prefixes (paged, `prefix_snapshots` > 0): the newest snapshots, least recently used first
+        if prefix_snapshots and not self.paged:
+            raise ValueError(f"prefix_snapshots={prefix_snapshots} shares prefix pages: it needs a paged cache")
+        if prefix_snapshots < 0:
+            raise ValueError(f"prefix_snapshots={prefix_snapshots} must be at least 0 (0: no prefix sharing)")
+        self.prefix_snapshots = prefix_snapshots
+        self.snapshots: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()
+        self.snapshot_refs: collections.Counter[int] = collections.Counter()  # page -> snapshots holding it
+        self.slot_shared: dict[int, int] = {}  # slot -> its first pages, shared (never written by its insert)
         if self.paged:
             table = self.caches[0].table
             self.allocator = PageAllocator(pages, max_length // table.shape[1], f"{self.spec}")
@@ -442,8 +466,12 @@ class Engine:
         return n * self.pages_for(prompt_tokens, max_tokens, self.grows(n, scored))
 
     def free_pages(self) -> float:
-        """Pages that can be had now (infinite for slots)."""
-        return self.allocator.free_pages + self.allocator.cached_pages if self.paged else float("inf")
+        """Pages that can be had now (infinite for slots): free, cached, and held by prefix snapshots alone (dropped
+        when they are needed)."""
+        if not self.paged:
+            return float("inf")
+        alone = sum(1 for page, n in self.snapshot_refs.items() if n and self.allocator.refcount(page) == n)
+        return self.allocator.free_pages + self.allocator.cached_pages + alone
 
     def check_pool(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> None:
         """ValueError unless a request of `n` choices could ever fit a paged cache's pool (nothing for slots)."""
@@ -466,18 +494,26 @@ class Engine:
         return self.has_free_slot(n) and (not self.paged or pages + self.headroom <= self.free_pages())
 
     def _reserve_pages(self, slots: Sequence[int], prompt_tokens: int, max_tokens: int | None,
-                       scored: bool = False) -> None:
-        """Takes each slot's pages (paged; before anything is written into them) and writes its table row."""
+                       scored: bool = False, shared: Sequence[int] = ()) -> None:
+        """Takes each slot's pages (paged; before anything is written into them) and writes its table row; the first
+        are `shared` (a prefix snapshot's, one more reference each), the rest fresh."""
         if not self.paged:
             return
         grows = self.grows(len(slots), scored)
         need = self.pages_for(prompt_tokens, max_tokens, grows)
-        if not self.allocator.can_allocate(need * len(slots)):
+        shared = list(shared)
+        for _ in slots:
+            self.allocator.share(shared)  # before `_reclaim` could drop the snapshot that holds them
+        self._reclaim((need - len(shared)) * len(slots))
+        if not self.allocator.can_allocate((need - len(shared)) * len(slots)):
+            for _ in slots:
+                self.allocator.release(shared)
             raise NoFreeSlot(f"{len(slots)} choices need {need} pages each; {self.free_pages()} of "
                              f"{self.allocator.num_pages} are free")
         for slot in slots:
-            pages = self.allocator.allocate(need)
+            pages = shared + self.allocator.allocate(need - len(shared))
             self.slot_pages[slot] = pages
+            self.slot_shared[slot] = len(shared)
             self.tables[slot] = self.allocator.num_pages
             self.tables[slot, :need] = pages
             if grows:
@@ -498,7 +534,7 @@ class Engine:
 
     def can_grow(self) -> bool:
         """Whether the pool has the pages the next decode step needs (always, unpaged)."""
-        return not self.paged or self.allocator.can_allocate(sum(self.pages_wanted().values()))
+        return not self.paged or sum(self.pages_wanted().values()) <= self.free_pages()
 
     def grow_pages(self) -> None:
         """Gives each growing live slot the pages its next token needs; `PoolExhausted` (nothing taken) when the pool
@@ -507,6 +543,7 @@ class Engine:
         if not want:
             return
         total = sum(want.values())
+        self._reclaim(total)
         if not self.allocator.can_allocate(total):
             raise PoolExhausted(f"the next step needs {total} pages for {len(want)} sequences and "
                                 f"{self.free_pages()} are free: preempt a request first")
@@ -544,6 +581,80 @@ class Engine:
                 + (" or ".join(room) or f"both must shrink: a prompt of at most {self.max_length - 1} tokens and "
                                         "max_tokens of at most the rest"))
 
+    # -- shared prefixes (paged) --------------------------------------------------------------------------------------
+
+    def _prefix_key(self, tokens: Sequence[int], width: int, salt: str) -> bytes:
+        """The key of a prefix: the spec, the prefill's chunk width (its numerics), the salt and the tokens."""
+        h = hashlib.sha256(f"{spec_name(self.spec)}|{width}|{len(salt)}:{salt}|".encode())
+        h.update(np.asarray(list(tokens), "<i4").tobytes())
+        return h.digest()
+
+    def final_pages(self, tokens: int) -> int:
+        """Pages of a sequence of `tokens` tokens whose contents are final (a KIVI block once both its keys and
+        values are quantized, a full page once full): what a prefix snapshot shares."""
+        page = self.allocator.page_tokens
+        if is_reference(self.spec):
+            return tokens // page
+        k, v = self.spec.quantized_tokens(np.asarray([tokens]))
+        return int(min(int(np.asarray(k)[0]), int(np.asarray(v)[0]))) // page
+
+    def shared_prefix(self, prompt: Sequence[int], salt: str = "") -> Snapshot | None:
+        """The snapshot of the longest prefix of `prompt` (a whole number of its chunks, at least one token short of
+        it) kept for this salt, or None."""
+        if not self.snapshots:
+            return None
+        width = chunk_size(len(prompt), self.prefill_chunk)
+        for end in range((len(prompt) - 1) // width * width, 0, -width):
+            key = self._prefix_key(prompt[:end], width, salt)
+            if key in self.snapshots:
+                self.snapshots.move_to_end(key)
+                return self.snapshots[key]
+        return None
+
+    def _keep_snapshots(self, prompt: Sequence[int], taken: list, pages: list[int], salt: str) -> None:
+        """Keeps the snapshots `taken` (`(length, one-row cache)` at chunk ends) of a prompt now in `pages`, each
+        holding a reference to the pages final at its length; the least recently used go past `prefix_snapshots`."""
+        width = chunk_size(len(prompt), self.prefill_chunk)
+        for length, cache in taken:
+            key = self._prefix_key(prompt[:length], width, salt)
+            if key in self.snapshots:
+                continue
+            held = pages[: self.final_pages(length)]
+            self.allocator.share(held)
+            self.snapshot_refs.update(held)
+            self.snapshots[key] = Snapshot(length, cache, held)
+            while len(self.snapshots) > self.prefix_snapshots:
+                self._drop_snapshot()
+
+    def _drop_snapshot(self) -> None:
+        _, snap = self.snapshots.popitem(last=False)
+        self.snapshot_refs.subtract(snap.pages)
+        self.allocator.release(snap.pages)
+
+    def _reclaim(self, pages: int) -> None:
+        """Drops the least recently used snapshots until `pages` fresh pages can be allocated (or none is left)."""
+        while self.snapshots and not self.allocator.can_allocate(pages):
+            self._drop_snapshot()
+
+    def _prefill_shared(self, prompt: list[int], salt: str):
+        """Prefills `prompt` from its longest kept prefix snapshot (else from nothing) in the chunks its own prefill
+        has (the same width, the same boundaries, so its cache is what a prefill alone gives bit for bit), taking a
+        snapshot at each chunk end before the last -> (logits `[1, vocab]`, the cache, the snapshot used or None,
+        the snapshots taken)."""
+        width = chunk_size(len(prompt), self.prefill_chunk)
+        snap = self.shared_prefix(prompt, salt)
+        start = 0 if snap is None else snap.length
+        cache = self.fresh_cache() if snap is None else jax.tree_util.tree_map(jnp.copy, snap.cache)
+        rest = prompt[start:]
+        tokens = np.full((1, -(-len(rest) // width) * width), self.cfg.pad_id, np.int32)
+        tokens[0, : len(rest)] = rest
+        taken = []
+        for c, (last, cache) in enumerate(prefill_steps(self.params, tokens, np.asarray([len(rest)]), cache, width)):
+            end = start + (c + 1) * width
+            if end < len(prompt):
+                taken.append((end, jax.tree_util.tree_map(jnp.copy, cache)))
+        return last, cache, snap, taken
+
     # -- prefill and insert -------------------------------------------------------------------------------------------
 
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -573,8 +684,14 @@ class Engine:
         donated); paged, into the slot's pages."""
         g, r = self._where(slot)
         if self.paged:
-            self.caches[0] = insert_sequence(self.caches[0].with_table(self.tables), seq_cache, jnp.int32(row),
+            tables, shared = self.tables, self.slot_shared.get(slot, 0)
+            if shared:  # a prefix snapshot's pages hold these blocks already: the writes there are dropped
+                tables = tables.copy()
+                tables[slot, :shared] = self.allocator.num_pages
+            self.caches[0] = insert_sequence(self.caches[0].with_table(tables), seq_cache, jnp.int32(row),
                                              jnp.int32(slot))
+            if shared:
+                self.caches[0] = self.caches[0].with_table(self.tables)
             return
         with sharding.use_mesh(self.mesh):
             self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), jnp.int32(r), self.axes)
@@ -633,7 +750,7 @@ class Engine:
     def admit_choices(self, prompt: list[int], samplings: Sequence[Sampling], *, score_prompt: bool = False,
                       logprobs: bool = False, constraints: Sequence | None = None,
                       max_tokens: int | None = None, keys: Sequence | None = None,
-                      replay_from: int | None = None) -> Admitted:
+                      replay_from: int | None = None, salt: str = "") -> Admitted:
         """Prefills `prompt` once and puts it in one slot per choice (each with its own sampling and key, from its
         seed). Without `score_prompt` a held prefix is reused when one matches and every choice's first token is
         sampled now; with it the prompt is scored (see the module docstring; the first prompt token has no score) and
@@ -642,13 +759,15 @@ class Engine:
         request's pages; `keys`: each choice's key to go on from (else from its seed). `replay_from`: prefill only
         `prompt[:replay_from]` and feed the rest one token a decode step, not drawn (a preempted request replaying
         its original prompt's prefill and then the tokens it generated, so that its cache and logits are what they
-        were bit for bit; its first Outs are those tokens, marked `prompt`)."""
+        were bit for bit; its first Outs are those tokens, marked `prompt`). `salt`: its prefix namespace (with
+        `prefix_snapshots`, a prompt starting with a kept prefix of this salt shares its pages and starts from its
+        snapshot)."""
         k, constraints = self.check_request(prompt, samplings, constraints, max_tokens)
         if not self.can_admit(len(prompt), max_tokens, k, score_prompt):
             raise NoFreeSlot(f"{k} choices need {self.admission_pages(len(prompt), max_tokens, k, score_prompt)} "
                              f"pages and {self.headroom} more kept free; {self.free_pages()} are free")
         slots, start, seq = [], 0, None
-        scores = None
+        scores, shared, taken = None, [], []
         if score_prompt:
             # the prompt tokens one prefill scores as decode steps would (a KIVI cache: until the ring first fills)
             done = self.spec.exact_prefill(len(prompt))
@@ -659,6 +778,11 @@ class Engine:
                 raise ValueError(f"replay_from={replay_from} must be in [1, {len(prompt)}) (the original prompt)")
             logits, seq = self.prefill(prompt[:replay_from])
             done = replay_from
+        elif self.prefix_snapshots:
+            logits, seq, snap, taken = self._prefill_shared(prompt, salt)
+            if snap is not None:
+                start, shared = snap.length, snap.pages
+            done = len(prompt)
         else:
             reuse = self._reusable(prompt)
             if reuse is not None:
@@ -667,7 +791,9 @@ class Engine:
             done = len(prompt)
         while len(slots) < k:
             slots.append(self._pick_slot(slots))
-        self._reserve_pages(slots, len(prompt), max_tokens, score_prompt)
+        self._reserve_pages(slots, len(prompt), max_tokens, score_prompt, shared)
+        if taken:
+            self._keep_snapshots(prompt, taken, self.slot_pages[slots[0]], salt)
         admitted = self._place(Waiting(prompt, samplings, logprobs, constraints, keys=keys), slots, logits, seq, 0, done)
         admitted.prompt_scores = scores
         self.counters["prefill_tokens_computed"] += done - start
@@ -731,10 +857,10 @@ class Engine:
 
     # -- batched prefill ----------------------------------------------------------------------------------------------
 
-    def batchable(self, prompt: list[int]) -> bool:
+    def batchable(self, prompt: list[int], salt: str = "") -> bool:
         """Whether a (plain, unscored) request may be prefilled in a batch: batching is on and no held prefix
         would spare it the work."""
-        return self.prefill_batch > 1 and self._reusable(prompt) is None
+        return self.prefill_batch > 1 and self._reusable(prompt) is None and self.shared_prefix(prompt, salt) is None
 
     def prefill_shape(self, prompt: list[int]) -> tuple[int, int]:
         """(chunk width, chunks) of the prompt's prefill: prompts of one shape are prefilled together, so that each
@@ -790,11 +916,21 @@ class Engine:
         job.last, job.cache = next(job.chunks)
         job.chunks_left -= 1
         self.counters["prefill_calls"] += 1
+        if self.prefix_snapshots:  # each prompt's cache at this chunk end, if its prompt goes on past it
+            if not job.taken:
+                job.taken = [[] for _ in job.requests]
+            width, chunks = self.prefill_shape(job.requests[0].prompt)
+            end = (chunks - job.chunks_left) * width
+            for i, req in enumerate(job.requests):
+                if end < len(req.prompt):
+                    job.taken[i].append((end, extract_cache(job.cache, jnp.int32(i), self.axes)))
         if job.chunks_left:
             return None
         out = []
         for i, (req, slots) in enumerate(zip(job.requests, job.slots)):
             out.append(self._place(req, slots, job.last[i : i + 1], job.cache, i, len(req.prompt)))
+            if job.taken and job.taken[i]:
+                self._keep_snapshots(req.prompt, job.taken[i], self.slot_pages[slots[0]], req.salt)
             self.counters["prefill_tokens_computed"] += len(req.prompt)
         self.counters["prefill_rows"] += job.rows
         job.cache = job.last = None
@@ -910,6 +1046,7 @@ class Engine:
         if self.paged:
             self.allocator.release(self.slot_pages.pop(slot, []))
             self.growing.discard(slot)
+            self.slot_shared.pop(slot, None)
             self.tables[slot] = self.allocator.num_pages
             self.caches[0] = self.caches[0].with_table(self.tables)
         with sharding.use_mesh(self.mesh):
@@ -919,6 +1056,9 @@ class Engine:
         pages = {}
         if self.paged:
             pages = {f"pages_{k}" if not k.startswith("pages") else k: v for k, v in self.allocator.metrics().items()}
+        if self.prefix_snapshots:
+            pages.update(prefix_snapshots=len(self.snapshots), prefix_snapshot_bytes=tree_bytes(
+                [snap.cache for snap in self.snapshots.values()]))
         return {**pages, "slots": self.num_slots, "decode_groups": len(self.groups), "live": self.count(LIVE),
                 "held": self.count(HELD), "free": self.count(FREE), "filling": self.count(FILLING), "peak_live": self.peak_live, "cache_bytes": self.cache_bytes,
                 "cache_bytes_in_use": self.cache_bytes_in_use, **self.counters}

@@ -37,6 +37,7 @@ from kivi_jax.serve.scheduler import (DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_T
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT = 256  # characters of a `cache_salt`
 MAX_N = 8  # choices a request may ask for (and at most the server's slots)
 MAX_TOP_K = 2**31 - 1  # an int32 in the sampler
 # Accepted and ignored (they change nothing here) or accepted only at their default value (where a route does not
@@ -46,7 +47,7 @@ DEFAULT_ONLY = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty"
                 "top_logprobs": None, "logit_bias": None, "echo": False, "suffix": None, "tools": None,
                 "tool_choice": None, "response_format": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "return_token_ids", "n", "response_format", "stop_token_ids", "logprobs", "ignore_eos"}
+          "return_token_ids", "n", "response_format", "stop_token_ids", "logprobs", "ignore_eos", "cache_salt"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 ROLES = ("system", "developer", "user", "assistant")
@@ -152,8 +153,8 @@ class Parsed:
     def __init__(self, prompt: list[int], max_tokens: int | None, sampling: Sampling, stop: tuple[str, ...],
                  stream: bool, include_usage: bool, token_ids: bool, n: int = 1, logprobs: int | None = None,
                  echo: bool = False, stop_token_ids: frozenset[int] = frozenset(), grammar=None,
-                 continuous_usage: bool = False, ignore_eos: bool = False):
-        self.ignore_eos = ignore_eos
+                 continuous_usage: bool = False, ignore_eos: bool = False, cache_salt: str = ""):
+        self.ignore_eos, self.cache_salt = ignore_eos, cache_salt
         self.prompt, self.max_tokens, self.sampling, self.stop = prompt, max_tokens, sampling, stop
         self.stream, self.include_usage, self.token_ids = stream, include_usage, token_ids
         self.n, self.logprobs, self.echo, self.stop_token_ids = n, logprobs, echo, stop_token_ids
@@ -345,9 +346,15 @@ class API:
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids)):
             raise _bad("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
                                          f"[0, {vocab}), not {_show(stop_ids)}")
+        salt = body.get("cache_salt")
+        salt = "" if salt is None else salt
+        if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT:
+            raise _bad("cache_salt", f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters (prefixes "
+                                     f"are shared only between requests of one salt), not {_show(salt)}")
         return Parsed([], max_tokens, sampling, stop, stream, include_usage, token_ids, n=n, logprobs=logprobs,
                       echo=echo, stop_token_ids=frozenset(stop_ids), continuous_usage=continuous,
-                      ignore_eos=_flag(body, "ignore_eos"))  # vLLM's: EOS ends nothing (benchmarks)
+                      ignore_eos=_flag(body, "ignore_eos"),  # vLLM's: EOS ends nothing (benchmarks)
+                      cache_salt=salt)
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         """The number of top alternatives a request wants with each token's logprob (0 = the token's own only), or
@@ -449,7 +456,8 @@ class API:
 
         req = Request(parsed.prompt, parsed.max_tokens, parsed.sampling, emit, parsed.stop, n=parsed.n,
                       logprobs=parsed.logprobs is not None, score_prompt=parsed.score_prompt,
-                      stop_token_ids=parsed.stop_token_ids, grammar=parsed.grammar, ignore_eos=parsed.ignore_eos)
+                      stop_token_ids=parsed.stop_token_ids, grammar=parsed.grammar, ignore_eos=parsed.ignore_eos,
+                      cache_salt=parsed.cache_salt)
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
@@ -734,6 +742,10 @@ class API:
                 ("pages_used", "pages a request holds"), ("pages_cached", "unheld pages kept as a prefix"),
                 ("pages_shared", "pages more than one request holds"))]
             rows += [("page_evictions_total", "counter", "cached pages evicted", m["pages_evictions"])]
+            if self.engine.prefix_snapshots:
+                rows += [("prefix_snapshots", "gauge", "prompt prefixes kept for sharing", m["prefix_snapshots"]),
+                         ("prefix_snapshot_bytes", "gauge", "bytes of the prefix snapshots (outside the pool)",
+                          m["prefix_snapshot_bytes"])]
         counters = ["requests_queued", "requests_rejected", "requests_finished", "requests_cancelled",
                     "requests_failed", "prompt_tokens", "completion_tokens", "prefill_tokens_computed",
                     "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows", "preemptions"]

@@ -117,6 +117,14 @@ class PageAllocator:
                 else:
                     self._free.append(page)
 
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each of `pages` (each held already: refcount >= 1)."""
+        for page in pages:
+            if self._ref[self._check_page(page)] < 1:
+                raise ValueError(f"page {page} is not held (refcount 0): only a held page can be shared")
+        for page in pages:
+            self._ref[page] += 1
+
     # -- prefix sharing -------------------------------------------------------------------------------------------
     def chain_keys(self, tokens: list[int], salt: str = "") -> list[bytes]:
         """The hash-chain key of every FULL page of tokens: len(tokens) // page_tokens keys (a partial tail has none)."""

@@ -101,6 +101,7 @@ class Request:
     ends: Stop | None = None  # the stop rule (EOS and stop ids, max_tokens, stop strings), made at its first token
     grammar: object = None  # kivi_jax.serve.grammar.Grammar: each choice's output held to it
     ignore_eos: bool = False  # EOS ends nothing: a choice runs to max_tokens or a stop (vLLM's, for benchmarks)
+    cache_salt: str = ""  # vLLM's: prefixes are shared only between requests of one salt (a tenant's namespace)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -348,7 +349,7 @@ class Scheduler:
             if req.cancelled.is_set():  # cancelled by its flag alone (`Request.cancel`), not through `cancel`
                 self.count("requests_cancelled")
                 continue
-            if not req.score_prompt and not req.preemptions and self.engine.batchable(req.context):
+            if not req.score_prompt and not req.preemptions and self.engine.batchable(req.context, req.cache_salt):
                 self._start_job(req)
                 return  # the job's requests go live when its last chunk has run; the next iteration admits more
             try:
@@ -356,7 +357,8 @@ class Scheduler:
                                                      score_prompt=req.score_prompt, logprobs=req.logprobs,
                                                      constraints=self._constraints(req), max_tokens=req.tokens_left,
                                                      keys=req.resume_keys,
-                                                     replay_from=len(req.prompt) if req.preemptions else None)
+                                                     replay_from=len(req.prompt) if req.preemptions else None,
+                                                     salt=req.cache_salt)
             except (ValueError, OverflowError) as e:  # this request's own values; checked before queueing, but a
                 self._fail(req, str(e))               # direct caller can still get here
                 continue
@@ -375,7 +377,7 @@ class Scheduler:
     def _waiting_of(self, req: Request) -> Waiting | None:
         """The engine's view of a request, or None (and the request failed) when it does not fit."""
         w = Waiting(req.context, [c.sampling for c in req.choices], req.logprobs, self._constraints(req),
-                    req.tokens_left, req.resume_keys)
+                    req.tokens_left, req.resume_keys, req.cache_salt)
         try:
             self.engine.check_request(w.prompt, w.samplings, w.constraints, w.max_tokens)
         except (ValueError, OverflowError) as e:
@@ -399,7 +401,7 @@ class Scheduler:
                 if len(taken) >= room:
                     break
                 if (req.score_prompt or req.preemptions or req.n > open_slots or pages(req) > open_pages or req.cancelled.is_set()
-                        or self.engine.prefill_shape(req.context) != shape or not self.engine.batchable(req.context)):
+                        or self.engine.prefill_shape(req.context) != shape or not self.engine.batchable(req.context, req.cache_salt)):
                     continue
                 w = self._waiting_of(req)
                 self.waiting.remove(req)

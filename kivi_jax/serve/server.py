@@ -54,7 +54,8 @@ class Server:
                     f"tokens ({format_bytes(c['page_bytes'])} a page), {format_bytes(e.cache_bytes)} in all; "
                     f"prompts prefilled in chunks of {e.prefill_chunk} tokens; "
                     + ("pages taken as sequences grow, the newest request preempted when the pool runs out" if e.grow
-                       else "pages reserved for prompt and max_tokens at admission"))
+                       else "pages reserved for prompt and max_tokens at admission")
+                    + (f"; up to {e.prefix_snapshots} prefix snapshots shared" if e.prefix_snapshots else ""))
         line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
                 f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
         full = c["full"]
@@ -78,7 +79,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  attention_impl: str = "auto", prefix_reuse: bool = True, model_name: str = "kivi-jax",
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
-                 prefill_tokens: int | None = None, paged: bool = False, grow: bool = True) -> Server:
+                 prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
+                 prefix_snapshots: int = 0) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -86,7 +88,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     at most are prefilled in one call, `prefill_tokens` tokens at most (rows x chunk width; None: 512 on a CPU,
     2048 elsewhere, `engine.default_prefill_tokens`). `paged`: a paged cache (docs/design.md §12): `cache_budget`
     sizes its rows and pool together (`engine.paged_capacity`), `slots` its rows; `grow`: a request's pages are
-    taken as it grows, the newest preempted when the pool runs out (else all at admission)."""
+    taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
+    prompt prefixes kept for sharing (paged)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -104,7 +107,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
         capacity = paged_capacity(spec, params.config, max_length, params.dtype, cache_budget, slots, DEFAULT_SLOTS)
         engine = Engine(params, spec, slots=capacity["slots"], max_length=max_length, prefill_chunk=prefill_chunk,
                         attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
-                        prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow)
+                        prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow,
+                        prefix_snapshots=prefix_snapshots)
         scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
         app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
         return Server(engine, scheduler, app, model_name, capacity)
