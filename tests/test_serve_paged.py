@@ -309,3 +309,21 @@ def test_two_requests_with_a_common_prefix_hold_its_pages_once_and_answer_as_gen
     held = sum(len(s.pages) for s in eng.snapshots.values())
     assert eng.allocator.used_pages <= held and eng.free_pages() == eng.allocator.num_pages  # snapshots alone
     eng.allocator.check()
+
+
+def test_a_batched_prefill_keeps_snapshots_that_a_later_request_starts_from(model):
+    """Through the scheduler: the first prompt goes through a batched prefill job, which keeps its snapshots too; a
+    later prompt with the same 128-token prefix starts from one and both answers are `generate`'s."""
+    eng = Engine(model.params, SPEC, slots=4, max_length=MAX_LENGTH, prefill_chunk=64, pages=60, prefix_snapshots=2)
+    common = prompts(31, [128])[0]
+    a, b = (common + tail for tail in prompts(32, [20, 50]))
+    got = []
+    for p in (a, b):  # one after the other
+        answers, sched = run_all(eng, model, [p], [15])
+        got += answers
+        if p is a:
+            assert eng.counters["prefill_calls"] >= 3 and eng.snapshots  # a's three chunks, two snapshots kept
+    assert {s.length for s in eng.snapshots.values()} == {64, 128}
+    assert eng.counters["prefix_tokens_reused"] == 128
+    assert got == [reference(model, SPEC, p, 15) for p in (a, b)]
+    assert eng.allocator.used_pages == len(set().union(*(s.pages for s in eng.snapshots.values())))  # theirs alone
