@@ -20,7 +20,9 @@ shard (heads still split), and insert / extract move one row between the two wit
 With `pages` (docs/design.md §12) the slots share one pool of pages through block tables: a request takes its
 prompt's pages and then a page as it fills one; the scheduler preempts when the pool runs out, and a preempted
 request comes back through `admit_choices(replay_from=)`: its prompt prefilled again, its generated tokens fed
-back one a step on the forced-token path below, so that its cache is what it was.
+back one a step on the forced-token path below, so that its cache is what it was. With `prefix_snapshots` a
+prompt's prefill keeps its cache at each chunk end (a `Snapshot`), and a later prompt of the same salt starting with
+that prefix starts from it and shares its pages (`_prefill_shared`).
 
 Scoring a prompt (`echo` with logprobs, docs/serving.md): each prompt token's log-probability is what a decode step
 reading the cache would give it, as `kivi-jax eval` scores text. The first R tokens (all of them for the full cache)
