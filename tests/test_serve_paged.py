@@ -327,3 +327,19 @@ def test_a_batched_prefill_keeps_snapshots_that_a_later_request_starts_from(mode
     assert eng.counters["prefix_tokens_reused"] == 128
     assert got == [reference(model, SPEC, p, 15) for p in (a, b)]
     assert eng.allocator.used_pages == len(set().union(*(s.pages for s in eng.snapshots.values())))  # theirs alone
+
+
+def test_drain_keeps_a_preempted_request_that_has_started_streaming(model):
+    """At shutdown the waiting requests end with a 503, but a preempted one (already streaming) stays queued, to go
+    on within the shutdown timeout like a running one."""
+    from kivi_jax.serve.scheduler import Request
+
+    eng = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64, pages=16)
+    sched = Scheduler(eng, model.tokenizer)  # not started: the queue alone
+    events = []
+    fresh, preempted = (Request(prompts(40 + i, [10])[0], 5, Sampling(0.0), events.append) for i in range(2))
+    preempted.preemptions = 1
+    sched.waiting.extend([fresh, preempted])
+    sched.drain()
+    assert list(sched.waiting) == [preempted]
+    assert [e.status for e in events if e.kind == "error"] == [503]

@@ -216,11 +216,13 @@ class Scheduler:
         self.count("requests_cancelled")
 
     def drain(self) -> None:
-        """From now on `submit` raises ShuttingDown; every waiting request ends with a 503 error. Live requests go
-        on decoding (the server gives them its shutdown timeout)."""
+        """From now on `submit` raises ShuttingDown; every waiting request ends with a 503 error. Live requests, and
+        preempted ones waiting to go on, go on decoding (the server gives them its shutdown timeout)."""
         with self._waiting_changed:
             self.draining = True
-            waiting, self.waiting = list(self.waiting), collections.deque()
+            # a preempted request has started streaming: it stays queued, a running request given the timeout
+            waiting = [r for r in self.waiting if not r.preemptions]
+            self.waiting = collections.deque(r for r in self.waiting if r.preemptions)
         for req in waiting:
             self._fail(req, SHUTTING_DOWN, status=503)
 
