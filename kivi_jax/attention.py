@@ -161,10 +161,13 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
                num_new: jax.Array, window: int | None, block: int = BLOCK_TOKENS,
                softcap: float | None = None) -> Softmax:
     """Adds the new tokens themselves, causally, in full precision: k_new, v_new `[batch, T, kv_heads, head_dim]` at
-    `positions [batch, T]`, of which the first `num_new [batch]` are real."""
+    `positions [batch, T]`, of which the first `num_new [batch]` are real. Up to `NEW_TILE` tokens in one block;
+    a longer chunk in query tiles, each reading only the keys at or before it (`causal_tiles`)."""
     tokens = k_new.shape[1]
     k = jnp.swapaxes(k_new, 1, 2)  # [batch, kv_heads, T, head_dim]
     v = jnp.swapaxes(v_new, 1, 2)
+    if tokens > NEW_TILE:
+        return causal_tiles(state, rows, k, v, positions, num_new, window, softcap)
     block = block_size(tokens, 1, block)
 
     def step(state: Softmax, start, first_new) -> Softmax:
@@ -180,6 +183,35 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
     if block == tokens:  # one block: no loop
         return step(state, 0, 0)
     return blockwise(state, tokens, block, jnp.full((1,), tokens), step)
+
+
+NEW_TILE = 128  # new tokens a query tile of a chunk's attention over itself (and a key tile); shorter: one block
+MAX_NEW_TILES = 16  # a longer chunk takes wider tiles, so that its unrolled tiles stay few
+
+
+def new_tile(tokens: int) -> int:
+    """The query (and key) tile of a chunk of `tokens` new tokens' attention over itself."""
+    return max(NEW_TILE, -(-tokens // MAX_NEW_TILES))
+
+
+def causal_tiles(state: Softmax, rows: Rows, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array,
+                 window: int | None, softcap: float | None = None) -> Softmax:
+    """`new_tokens` of a long chunk, k, v `[batch, kv_heads, T, head_dim]`: the rows of query tile i (its tokens)
+    attend to keys `[0, end of tile i)` only, in one segment, since every later key is a later token."""
+    tokens = k.shape[2]
+    n_rep = rows.q.shape[2] // tokens
+    tile = new_tile(tokens)
+    outs = []
+    for a in range(0, tokens, tile):
+        b = min(a + tile, tokens)
+        r = slice(a * n_rep, b * n_rep)
+        q_pos = rows.pos[:, r]
+        ok = layout.visible(positions[:, :b], q_pos, window)  # [batch, tile rows, b]
+        ok &= (jnp.arange(b)[None, :] < num_new[:, None])[:, None, :]
+        scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q[:, :, r], k[:, :, :b], preferred_element_type=jnp.float32)
+        part = Softmax(state.m[:, :, r], state.l[:, :, r], state.acc[:, :, r])
+        outs.append(part.update(masked(scores, ok, softcap), lambda p, b=b: dense_values(p, v[:, :, :b])))
+    return Softmax(*(jnp.concatenate(x, axis=2) for x in zip(*outs)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

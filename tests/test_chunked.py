@@ -162,6 +162,53 @@ def test_chunk_attention_equals_a_dense_reference_of_what_is_stored(kivi, window
             assert np.abs(np.asarray(ours - ref))[real].max() <= 1e-5, (layer, block)
 
 
+@pytest.mark.parametrize("tokens, window", [(129, None), (300, 23), (300, None)])
+def test_a_long_chunk_in_causal_tiles_equals_the_dense_reference(tokens, window):
+    """Past NEW_TILE new tokens the chunk's attention over itself runs in query tiles that skip later keys; at
+    lengths no tile divides, ragged, onto a cache holding quantized tokens and a ring."""
+    batch = 2
+    assert tokens > attention.NEW_TILE
+    k, v = random_kv(15, batch, 4 * R)
+    rng = np.random.RandomState(16)
+    cache = append_tokens(KIVICache.create(CFG, KIVI, batch, 4 * R + -(-tokens // R) * R), k, v, jnp.asarray([R + 9, 3 * R + 2]))
+    num_new = jnp.asarray([tokens, tokens - 77])
+    q = jnp.asarray(rng.randn(batch, tokens, CFG.num_heads, CFG.head_dim).astype(np.float32))
+    k_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    v_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    positions = cache.length[:, None] + jnp.arange(tokens)[None, :]
+    real = np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None])
+    for layer in range(CFG.num_layers):
+        ref = dense_chunk_reference(q, cache, layer, k_new, v_new, num_new, window)
+        ours = attention.attend_kivi_xla(q, positions, cache.k, cache.v, layer, cache.k_ring[layer],
+                                         cache.v_ring[layer], cache.length, k_new, v_new, num_new, window)
+        assert np.isfinite(np.asarray(ours)).all()
+        assert np.abs(np.asarray(ours - ref))[real].max() <= 1e-5, layer
+
+
+@pytest.mark.parametrize("tokens, window, softcap", [(200, None, None), (333, 50, 30.0)])
+def test_causal_tiles_equal_one_block_over_the_whole_chunk(tokens, window, softcap, monkeypatch):
+    """The tiled path against the one-block path it replaces (NEW_TILE raised past the chunk), soft-cap included."""
+    rng = np.random.RandomState(17)
+    batch, kv_heads, n_rep, d = 2, 2, 3, 16
+    q = jnp.asarray(rng.randn(batch, tokens, kv_heads * n_rep, d).astype(np.float32))
+    k_new = jnp.asarray(rng.randn(batch, tokens, kv_heads, d).astype(np.float32))
+    v_new = jnp.asarray(rng.randn(batch, tokens, kv_heads, d).astype(np.float32))
+    positions = jnp.asarray([[40], [3]]) + jnp.arange(tokens)[None, :]
+    num_new = jnp.asarray([tokens, tokens // 2 + 1])
+
+    def run():
+        rows = attention.group_queries(q, positions, kv_heads)
+        state = attention.new_tokens(attention.Softmax.empty(rows.q), rows, k_new, v_new, positions, num_new,
+                                     window, tokens, softcap)
+        return np.asarray(state.result())
+
+    tiled = run()
+    monkeypatch.setattr(attention, "NEW_TILE", tokens)
+    whole = run()
+    real = np.repeat(np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None]), n_rep, axis=1)  # [batch, rows]
+    assert np.abs(tiled - whole).transpose(0, 2, 1, 3)[real].max() <= 1e-5
+
+
 def test_a_sequence_given_no_new_tokens_is_left_exactly_as_it_was():
     k, v = random_kv(15, 2, 2 * R)
     cache = append_tokens(KIVICache.create(CFG, KIVI, 2, 4 * R), k, v, jnp.asarray([R + 3, R + 7]))
