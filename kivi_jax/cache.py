@@ -740,14 +740,16 @@ def make_cache(spec, cfg: ModelConfig, batch: int, max_tokens: int, dtype=jnp.fl
                pages: int | None = None):
     """A fresh cache for a parsed or unparsed spec ('full', 'kivi2', 'k4v2-g64-r128', 'int8', a KIVIConfig); with
     `mesh` (a Mesh or 'data=2,model=4') allocated sharded by kivi_jax.sharding's table; with `pages` a paged cache
-    (a pool of that many pages, `batch` block tables of `max_tokens` tokens each: docs/design.md §12)."""
+    (a pool of that many pages, `batch` block tables of `max_tokens` tokens each: docs/design.md §12; on a mesh of
+    data=1 only, its pool's heads split over model and every page on every device)."""
     spec = parse_cache_spec(spec)
-    if pages is not None and (mesh is not None or isinstance(spec, Dense8Config)):
-        what = "under a mesh" if mesh is not None else f"for {spec.spec}"
-        raise ValueError(f"a paged cache is not offered {what} yet: use the full-precision or a KIVI spec, "
-                         "without a mesh, or drop pages")
+    if pages is not None and isinstance(spec, Dense8Config):
+        raise ValueError(f"a paged cache is not offered for {spec.spec} yet: use the full-precision or a KIVI spec, "
+                         "or drop pages")
     if mesh is not None:
-        return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl), mesh)
+        if pages is not None:  # the pool's heads split over model, its pages on every device (data=1 only)
+            sharding.check_paged_mesh(sharding.resolve_mesh(mesh))
+        return sharding.make_cache(lambda: make_cache(spec, cfg, batch, max_tokens, dtype, impl, pages=pages), mesh)
     if isinstance(spec, KIVIConfig):
         return KIVICache.create(cfg, spec, batch, max_tokens, dtype, impl, pages)
     if isinstance(spec, Dense8Config):

@@ -45,6 +45,7 @@ LOGICAL_AXES: dict[str, str | None] = {
     "embed": None,  # the hidden size
     "layers": None,
     "tokens": None,  # cache rows: tokens, or token groups of per-channel scales
+    "pages": None,  # a paged cache's pool pages and table entries: every model-axis device holds all pages
     "head_dim": None,  # cache columns: channels, packed code bytes, or channel groups of per-token scales
 }
 HEAD_AXES = ("kv_heads", "q_heads")
@@ -56,6 +57,11 @@ CACHE_AXES: dict[int, tuple[str, ...]] = {
     1: ("batch",),
     5: ("layers", "batch", "kv_heads", "tokens", "head_dim"),
 }
+# A paged cache (docs/design.md §12, data=1 only: `check_paged_mesh`): its pools `[layers, pages, kv_heads,
+# page_rows, X]` split their heads over model like the stores (pages never split), its block table `[batch,
+# pages_per_sequence]` and bookkeeping whole on every device.
+POOL_AXES = ("layers", "pages", "kv_heads", "tokens", "head_dim")
+TABLE_AXES = ("batch", "pages")
 
 
 class MeshError(ValueError):
@@ -222,13 +228,52 @@ def param_axes_of(name: str, leaf, table: dict) -> tuple[str, ...]:
     return axes
 
 
+def check_paged_mesh(mesh) -> None:
+    """MeshError unless a paged cache can live on `mesh`: one pool shared by all sequences, so data=1 (its heads
+    split over model)."""
+    sizes = mesh_sizes(mesh)
+    if sizes["data"] != 1:
+        raise MeshError(f"a paged cache needs data=1 (one pool shared by every sequence; its kv heads split over "
+                        f"model), not data={sizes['data']}: give a mesh of model={sizes['data'] * sizes['model']} "
+                        "(or data=1,model=N), or drop pages for a data-parallel slot cache")
+
+
+def paged_leaves(cache, prefix: str = "") -> tuple[set[str], set[str]]:
+    """Paths of a paged cache's pool leaves (its `k` and `v`) and block tables, its per-layer-bits part's included
+    (empty for a contiguous cache)."""
+    pools, tables = set(), set()
+    if getattr(cache, "table", None) is None:
+        return pools, tables
+    tables.add(prefix + "table")
+    for name in ("k", "v"):
+        for p, _ in jax.tree_util.tree_flatten_with_path(getattr(cache, name))[0]:
+            pools.add(prefix + name + (f".{_path_name(p)}" if p else ""))
+    if getattr(cache, "first", None) is not None:
+        more = paged_leaves(cache.first, prefix + "first.")
+        pools, tables = pools | more[0], tables | more[1]
+    return pools, tables
+
+
 def cache_axes(cache) -> dict[str, tuple[str, ...]]:
-    """Logical axes of every cache leaf, by path, from the rank rules of CACHE_AXES; checks that every stacked store
-    agrees on [layers, batch, kv_heads] and every bookkeeping leaf on [batch]. Unknown ranks are an error."""
+    """Logical axes of every cache leaf, by path, from the rank rules of CACHE_AXES (a paged cache's pools and tables:
+    POOL_AXES, TABLE_AXES); checks that every stacked store agrees on [layers, batch, kv_heads], every pool on [pages,
+    kv_heads] and every bookkeeping leaf on [batch]. Unknown ranks are an error."""
     leaves = [(_path_name(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]]
-    out, lead, batch = {}, None, None
+    pools, tables = paged_leaves(cache)
+    out, lead, batch, pool = {}, None, None, None
     for name, leaf in leaves:
         shape = tuple(leaf.shape)
+        if name in pools or name in tables:
+            axes = POOL_AXES if name in pools else TABLE_AXES
+            if len(shape) != len(axes):
+                raise MeshError(f"paged cache leaf {name} has shape {shape}, not the {len(axes)} axes {axes}")
+            if name in pools:
+                pool = pool or (name, shape[1:3])
+                if shape[1:3] != pool[1]:
+                    raise MeshError(f"pool leaf {name} {shape} does not share [pages, kv_heads] = {pool[1]} with "
+                                    f"{pool[0]}; the sharding table cannot place it")
+            out[name] = axes
+            continue
         if len(shape) not in CACHE_AXES:
             raise MeshError(
                 f"cache leaf {name} has shape {shape}: the sharding table (kivi_jax.sharding.CACHE_AXES) knows "
@@ -246,12 +291,16 @@ def cache_axes(cache) -> dict[str, tuple[str, ...]]:
             if b != batch[1]:
                 raise MeshError(f"cache leaf {name} {shape} has batch {b}, but {batch[0]} has {batch[1]}")
         out[name] = axes
+    if pool and lead and pool[1][1] != lead[1][2]:
+        raise MeshError(f"pool leaf {pool[0]} has {pool[1][1]} kv heads, but {lead[0]} has {lead[1][2]}")
     return out
 
 
 def cache_specs(cache, mesh):
     """A pytree like `cache` (concrete or from `jax.eval_shape`) of PartitionSpecs."""
     axes = cache_axes(cache)
+    if paged_leaves(cache)[0]:
+        check_paged_mesh(mesh)
     stores = [leaf for p, leaf in jax.tree_util.tree_flatten_with_path(cache)[0] if leaf.ndim == 5]
     heads = heads_sharded(stores[0].shape[2], mesh) if stores else True
 
@@ -374,6 +423,17 @@ def _decode_spec(role: str, ndim: int, batch_axis, head_axis) -> P:
     raise ValueError(f"unknown decode argument role {role!r}")
 
 
+def _is_paged(arg) -> bool:
+    """A paged store's view (`paged.PagedRows`, `cache.PagedStore`): a pool read through a block table."""
+    return getattr(arg, "table", None) is not None
+
+
+def _paged_spec(ndim: int, batch_axis, head_axis) -> P:
+    """A paged view's leaves per shard: the pool `[layers, pages, kv_heads, m, X]` by heads (every page on every
+    shard), the table `[batch, pages_per_sequence]` and `end [batch]` by sequence."""
+    return P(None, None, head_axis) if ndim == 5 else P(batch_axis)
+
+
 def per_shard(out: str = "query", **roles: str):
     """Decorates a function of per-sequence, per-kv-head work (decode attention, a cache write) so that, under an
     active mesh, it runs per shard in `shard_map` over (batch on data, kv heads on model); without a mesh it is called
@@ -382,7 +442,8 @@ def per_shard(out: str = "query", **roles: str):
     `roles` names each array argument's layout: `query` (q, k_new, v_new `[batch, 1, heads, head_dim]`), `cache`
     (stacked or one-layer cache tensors, or pytrees of them such as a QuantStore), `batch` (`[batch]`), `rows`
     (`[batch, n]` token rows), `replicated` (the layer index). Other arguments (impl, window, a None layer) are
-    static. The answer is laid out like a `query` (`out="query"`) or a stacked cache tensor (`out="cache"`)."""
+    static. The answer is laid out like a `query` (`out="query"`) or a stacked cache tensor (`out="cache"`). A
+    `cache` argument that is a paged view (a pool and its block table) is split by heads only (`_paged_spec`)."""
 
     def wrap(fn):
         sig = inspect.signature(fn)
@@ -395,15 +456,20 @@ def per_shard(out: str = "query", **roles: str):
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             names = [n for n in sig.parameters if n in roles and bound.arguments[n] is not None]
-            cache = jax.tree_util.tree_leaves(next(bound.arguments[n] for n in names if roles[n] == "cache"))[0]
+            first = next(bound.arguments[n] for n in names if roles[n] == "cache")
+            cache = jax.tree_util.tree_leaves(first)[0]
             kv_heads, batch = cache.shape[-3], cache.shape[-4]
+            if _is_paged(first):  # a pool [layers, pages, kv_heads, m, X]: the batch is its table's
+                batch = first.table.shape[0]
             sizes = mesh_sizes(mesh)
             batch_axis = "data" if batch % sizes["data"] == 0 else None
             head_axis = "model" if heads_sharded(kv_heads, mesh) else None
 
             def spec_tree(name):
-                return jax.tree_util.tree_map(
-                    lambda x: _decode_spec(roles[name], x.ndim, batch_axis, head_axis), bound.arguments[name])
+                arg = bound.arguments[name]
+                if roles[name] == "cache" and _is_paged(arg):
+                    return jax.tree_util.tree_map(lambda x: _paged_spec(x.ndim, batch_axis, head_axis), arg)
+                return jax.tree_util.tree_map(lambda x: _decode_spec(roles[name], x.ndim, batch_axis, head_axis), arg)
 
             def body(*dyn):
                 local = dict(bound.arguments)

@@ -147,8 +147,8 @@ def test_choices_take_pages_each_and_requests_past_the_pool_are_refused_at_once(
     too_big, _ = request(prompts(3, [100])[0], 200)
     with pytest.raises(ValueError, match=r"needs 18 pages of 16 tokens .* the pool has 12; lower max_tokens"):
         sched.submit(too_big)
-    with pytest.raises(ValueError, match="served without a mesh"):
-        Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, pages=8, mesh="data=1")
+    with pytest.raises(ValueError, match="a paged cache needs data=1 .* give a mesh of model=2"):
+        Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, pages=8, mesh="data=2")
 
 
 def test_paged_engine_steps_equal_the_slot_engine_steps(model):

@@ -18,11 +18,12 @@ data axis, heads over the model axis), a request is prefilled into a one-sequenc
 shard (heads still split), and insert / extract move one row between the two without gathering a batch cache.
 
 With `pages` (docs/design.md §12) the slots share one pool of pages through block tables: a request takes its
-prompt's pages and then a page as it fills one; the scheduler preempts when the pool runs out, and a preempted
-request comes back through `admit_choices(replay_from=)`: its prompt prefilled again, its generated tokens fed
-back one a step on the forced-token path below, so that its cache is what it was. With `prefix_snapshots` a
-prompt's prefill keeps its cache at each chunk end (a `Snapshot`), and a later prompt of the same salt starting with
-that prefix starts from it and shares its pages (`_prefill_shared`).
+prompt's pages and then a page as it fills one (on a mesh: data=1 only, the pool's kv heads split over model where
+they divide it and every page on every device, the tables and bookkeeping whole on every device); the scheduler
+preempts when the pool runs out, and a preempted request comes back through `admit_choices(replay_from=)`: its
+prompt prefilled again, its generated tokens fed back one a step on the forced-token path below, so that its cache
+is what it was. With `prefix_snapshots` a prompt's prefill keeps its cache at each chunk end (a `Snapshot`), and a
+later prompt of the same salt starting with that prefix starts from it and shares its pages (`_prefill_shared`).
 
 Scoring a prompt (`echo` with logprobs, docs/serving.md): each prompt token's log-probability is what a decode step
 reading the cache would give it, as `kivi-jax eval` scores text. The first R tokens (all of them for the full cache)
@@ -195,8 +196,9 @@ def extract_cache(batch, slot: jax.Array, axes: tuple[int, ...], mesh=None):
 @functools.partial(jax.jit, donate_argnames=("batch",))
 def insert_sequence(batch, seq, row: jax.Array, slot: jax.Array):
     """A paged batch cache (donated) whose row `slot` holds row `row` of the contiguous cache `seq`: its tokens
-    written into the pages the slot's table row names, its ring, sinks, length and flags copied."""
-    return batch.with_sequence(seq, row, slot)
+    written into the pages the slot's table row names, its ring, sinks, length and flags copied (under a mesh laid
+    out as the table says: the pool's heads split, its pages whole)."""
+    return sharding.constrain_cache(batch.with_sequence(seq, row, slot))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -328,8 +330,8 @@ class Engine:
         prefix_snapshots: int = 0,
     ):
         cfg = params.config
-        if pages is not None and mesh is not None:
-            raise ValueError("a paged cache is served without a mesh for now: drop the mesh or the pages")
+        if pages is not None and mesh is not None:  # heads split over model, every page on every device
+            sharding.check_paged_mesh(mesh if isinstance(mesh, (str, dict)) else sharding.resolve_mesh(mesh))
         mesh = sharding.resolve_mesh(mesh)
         data = 1 if mesh is None else sharding.mesh_sizes(mesh)["data"]
         if mesh is not None and jax.process_count() > 1:
@@ -554,7 +556,7 @@ class Engine:
             new = self.allocator.allocate(k)
             self.tables[slot, len(held) : len(held) + k] = new
             held.extend(new)
-        self.caches[0] = self.caches[0].with_table(self.tables)
+        self.caches[0] = self.caches[0].with_table(self._table(self.tables))
 
     def room(self, prompt_tokens: int) -> int:
         """Tokens a slot has left after a prompt of this many (what max_tokens defaults to), or ValueError when the
@@ -663,6 +665,10 @@ class Engine:
         """A `[slots, ...]` host array on the device(s): split over the data axis on a mesh."""
         return jnp.asarray(x) if self.mesh is None else sharding.put_batch(x, self.mesh)
 
+    def _table(self, tables: np.ndarray):
+        """The host's block tables `[slots, pages a sequence]` on the device(s): whole on every device on a mesh."""
+        return tables if self.mesh is None else sharding.put(np.asarray(tables, np.int32), self.mesh)
+
     def fresh_cache(self):
         return make_cache(self.spec, self.cfg, 1, self.max_length, self.dtype, self.impl, mesh=self.mesh)
 
@@ -690,10 +696,11 @@ class Engine:
             if shared:  # a prefix snapshot's pages hold these blocks already: the writes there are dropped
                 tables = tables.copy()
                 tables[slot, :shared] = self.allocator.num_pages
-            self.caches[0] = insert_sequence(self.caches[0].with_table(tables), seq_cache, jnp.int32(row),
-                                             jnp.int32(slot))
+            with sharding.use_mesh(self.mesh):
+                self.caches[0] = insert_sequence(self.caches[0].with_table(self._table(tables)), seq_cache,
+                                                 jnp.int32(row), jnp.int32(slot))
             if shared:
-                self.caches[0] = self.caches[0].with_table(self.tables)
+                self.caches[0] = self.caches[0].with_table(self._table(self.tables))
             return
         with sharding.use_mesh(self.mesh):
             self.caches[g] = insert_cache(self.caches[g], seq_cache, jnp.int32(row), jnp.int32(r), self.axes)
@@ -1050,7 +1057,7 @@ class Engine:
             self.growing.discard(slot)
             self.slot_shared.pop(slot, None)
             self.tables[slot] = self.allocator.num_pages
-            self.caches[0] = self.caches[0].with_table(self.tables)
+            self.caches[0] = self.caches[0].with_table(self._table(self.tables))
         with sharding.use_mesh(self.mesh):
             self.caches[g] = reset_length(self.caches[g], jnp.int32(row))
 
