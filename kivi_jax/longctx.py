@@ -229,12 +229,6 @@ def placed_like(params: Params, tree):
     return jax.tree.map(lambda x: jax.device_put(x, like.sharding), tree) if like.committed else tree
 
 
-def _pad(tokens: np.ndarray, step: int, pad_id: int) -> np.ndarray:
-    """`tokens [batch, n]` right-padded to whole chunks of `step`."""
-    n = tokens.shape[1]
-    return np.pad(tokens, ((0, 0), (0, -(-n // step) * step - n)), constant_values=pad_id)
-
-
 def shared_prefill(params: Params, base: np.ndarray, stops: list[int], cache, step: int) -> Iterator[tuple]:
     """Prefills `base [batch, n]` onto `cache` (donated) in chunks of `step`, yielding `(stop, cache)` once the first
     `stop` tokens are in, for each of the `stops` (multiples of `step`, ascending). The cache yielded is the live one:
@@ -295,8 +289,8 @@ def answer_cases(params: Params, cases: list[Case], spec, tokenizer, impl: str =
                 stop, branch = next(branches)
             t1 = time.perf_counter()
             own = copy_cache(branch)
-            tail = _pad(prompts[i][None, starts[i]:], step, cfg.pad_id)
-            last, own = prefill(params, tail, np.array([len(prompts[i]) - starts[i]]), own, step)
+            tail = prompts[i][None, starts[i]:]  # its chunks past starts[i] are the prompt's own (`ChunkPlan`)
+            last, own = prefill(params, tail, np.array([tail.shape[1]]), own, step)
             case = group[i]
             ids = greedy(params, last, own, answer_tokens, eos,
                          lambda out, case=case: decided(case, tokenizer.decode(out, skip_special_tokens=True)))

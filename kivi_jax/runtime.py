@@ -3,7 +3,7 @@
 Everything that runs the model token by token goes through here: `generate` / `stream`, `Chat`, the serving engine,
 `bench` and `eval`. The pieces, each in one place:
 
-- the cache's allocation rule (`cache_size`) and the prefill's chunk shape (`chunk_size`);
+- the cache's allocation rule (`cache_size`) and the prefill's chunk shape (`chunk_size`, `chunk_plan`);
 - ragged chunked prefill of several sequences in one call (`prefill_steps`, `prefill`), and the scored variant that
   gives every prompt position's log-probability (`prefill_scored`);
 - one jitted decode step over the live rows (`decode_step`; `rows` computes only a bucket of them) with per-row
@@ -82,10 +82,31 @@ def check_chunk(chunk) -> int:
 
 def chunk_size(tokens: int, chunk: int | None = PREFILL_CHUNK) -> int:
     """The width of the prefill calls for a prompt of `tokens` (the longest of a batch): whole PROMPT_BUCKETs, so
-    similar prompts share one compilation, at most `chunk` (None: no limit). Prompts of one width are prefilled
-    alike alone or together (the serving engine batches by it)."""
+    similar prompts share one compilation, at most `chunk` (None: no limit). The last call may be narrower
+    (`ChunkPlan`)."""
     size = -(-max(tokens, 1) // PROMPT_BUCKET) * PROMPT_BUCKET
     return size if chunk is None else min(size, check_chunk(chunk))
+
+
+class ChunkPlan(NamedTuple):
+    """The prefill calls of a prompt: `chunks` calls, each `width` tokens wide but the last, which is `tail` wide
+    (the rest of the prompt in whole PROMPT_BUCKETs, so a long prompt computes less than a bucket of padding).
+    Prompts of one plan are prefilled alike alone or together (the serving engine batches by it), and the calls
+    past a chunk end are the same whatever came before it (what a shared prefix relies on)."""
+
+    width: int
+    chunks: int
+    tail: int
+
+    def widths(self) -> list[int]:
+        return [self.width] * (self.chunks - 1) + [self.tail]
+
+
+def chunk_plan(tokens: int, chunk: int | None = PREFILL_CHUNK) -> ChunkPlan:
+    """The `ChunkPlan` of a prompt of `tokens` (the longest of a batch) in calls of at most `chunk` tokens."""
+    width = chunk_size(tokens, chunk)
+    chunks = -(-max(tokens, 1) // width)
+    return ChunkPlan(width, chunks, chunk_size(max(tokens, 1) - (chunks - 1) * width, width))
 
 
 def _placer(mesh):
@@ -121,14 +142,14 @@ def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache
     so a caller can run other work between chunks. The cache of each yield is the one to continue with (the
     previous is donated)."""
     batch, n = tokens.shape
-    size = chunk_size(n, chunk)
-    n_chunks = -(-n // size)
-    tokens = np.pad(tokens, ((0, 0), (0, n_chunks * size - n)), constant_values=params.config.pad_id)
+    plan = chunk_plan(n, chunk)
+    widths = plan.widths()
+    tokens = np.pad(tokens, ((0, 0), (0, sum(widths) - n)), constant_values=params.config.pad_id)
     lengths = np.asarray(lengths, np.int32)
     put = _placer(mesh)
     last = put(np.zeros((batch, params.config.vocab_size), np.float32))
-    for c in range(n_chunks):
-        start = c * size
+    for c, size in enumerate(widths):
+        start = c * plan.width
         num_new = np.clip(lengths - start, 0, size).astype(np.int32)
         last_at = np.where((lengths - 1 >= start) & (lengths - 1 < start + size), lengths - 1 - start, -1)
         last, cache = prefill_chunk(params, put(tokens[:, start : start + size]), put(num_new), cache, last,
@@ -139,8 +160,8 @@ def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache
 def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
             mesh=None):
     """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
-    holds, `chunk` tokens at a time (None: at once); every chunk has one shape (`chunk_size`), so one compilation
-    serves them all.
+    holds, `chunk` tokens at a time (None: at once); every chunk but a narrower last has one shape (`chunk_plan`), so
+    two compilations serve them all.
     With `mesh` the inputs are placed split over its data axis (the caller runs this under `sharding.use_mesh`).
     Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
     for last, cache in prefill_steps(params, tokens, lengths, cache, chunk, mesh):
@@ -165,16 +186,16 @@ def prefill_scored(params: Params, tokens: list[int], targets: list[int], cache,
     `tokens`) -> (`[(target, logprob, ((id, logprob), ...) top alternatives)]` a position, the logits after the last
     token `[1, vocab]`, the cache). Chunks as `prefill` makes them."""
     n = len(tokens)
-    size = chunk_size(n, chunk)
-    n_chunks = -(-n // size)
+    plan = chunk_plan(n, chunk)
+    widths = plan.widths()
     pad = params.config.pad_id
-    tokens = np.asarray(list(tokens) + [pad] * (n_chunks * size - n), np.int32)[None]
-    targets = np.asarray(list(targets) + [pad] * (n_chunks * size - n), np.int32)[None]
+    tokens = np.asarray(list(tokens) + [pad] * (sum(widths) - n), np.int32)[None]
+    targets = np.asarray(list(targets) + [pad] * (sum(widths) - n), np.int32)[None]
     put = _placer(mesh)
     last = put(np.zeros((1, params.config.vocab_size), np.float32))
     pieces = []
-    for c in range(n_chunks):
-        lo = c * size
+    for c, size in enumerate(widths):
+        lo = c * plan.width
         at = n - 1 - lo if lo <= n - 1 < lo + size else -1
         lp, ids, top, last, cache = prefill_scored_chunk(
             params, put(tokens[:, lo : lo + size]), put(np.asarray([min(size, n - lo)], np.int32)), cache,
@@ -183,8 +204,9 @@ def prefill_scored(params: Params, tokens: list[int], targets: list[int], cache,
     scores = []
     for c, (lp, ids, top) in enumerate(pieces):
         lp, ids, top = np.asarray(lp), np.asarray(ids), np.asarray(top)
-        for j in range(min(size, n - c * size)):
-            scores.append((int(targets[0, c * size + j]), float(lp[j]), tuple(zip(ids[j].tolist(), top[j].tolist()))))
+        for j in range(min(plan.width, n - c * plan.width)):
+            scores.append((int(targets[0, c * plan.width + j]), float(lp[j]),
+                           tuple(zip(ids[j].tolist(), top[j].tolist()))))
     return scores, last, cache
 
 

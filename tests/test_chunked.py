@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS, TINY_VOCAB, hf_logits
-from kivi_jax import attention
+from kivi_jax import attention, runtime
 from kivi_jax.cache import FullCache, KIVICache, make_cache
 from kivi_jax.checkpoint import load_hf
-from kivi_jax.config import KIVIConfig
+from kivi_jax.config import KIVIConfig, parse_cache_spec
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import forward
 from reference import seen_keys_values
@@ -241,3 +241,36 @@ def test_writes_past_capacity_and_bad_token_ids_never_give_silent_numbers():
         logits, cache = step(params, jnp.zeros((2, 31), jnp.int32), cache, jnp.asarray([31, 1]))  # 2 + 31 > 32
         assert cache.error_flags.tolist() == [PAST_CAPACITY, BAD_TOKEN]
         assert np.isnan(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 128, 512, None])
+def test_a_prompts_chunk_plan_covers_it_and_its_calls_past_a_chunk_end_are_its_own(chunk):
+    """Every call but the last is `width` wide; the last covers the rest in whole buckets (less than one bucket of
+    padding); the plan of what follows any chunk end, in calls of `width`, is the rest of the prompt's plan."""
+    for tokens in [1, 63, 64, 65, 130, 511, 512, 513, 577, 1090, 2048, 2049]:
+        plan = runtime.chunk_plan(tokens, chunk)
+        widths = plan.widths()
+        assert len(widths) == plan.chunks and plan.width == runtime.chunk_size(tokens, chunk)
+        assert all(w == plan.width for w in widths[:-1]) and 0 < plan.tail <= plan.width
+        assert sum(widths) - plan.width < tokens <= sum(widths) < tokens + runtime.PROMPT_BUCKET
+        assert plan.tail % runtime.PROMPT_BUCKET == 0 or plan.tail == plan.width
+        for k in range(1, plan.chunks):
+            assert runtime.chunk_plan(tokens - k * plan.width, plan.width).widths() == widths[k:]
+
+
+@pytest.mark.parametrize("spec", ["k2v2-g8-r16", "full"])
+def test_a_prefill_after_a_chunk_end_is_the_prompts_own_prefill_bit_for_bit(tiny_dirs, spec):
+    """A prompt prefilled whole (two 128-token chunks, then a narrower last one) and the same prompt prefilled up
+    to a chunk end, then the rest onto that cache (what a shared prefix and longctx's shared documents do): the
+    same stores and the same logits, to the bit."""
+    params = load_hf(tiny_dirs["llama_mha"][0])
+    cfg = params.config
+    prompt = np.random.RandomState(5).randint(3, TINY_VOCAB, (1, 2 * 128 + 37)).astype(np.int32)
+    assert runtime.chunk_plan(prompt.shape[1], 128) == (128, 3, 64)
+    make = lambda: make_cache(parse_cache_spec(spec), cfg, 1, 384, params.dtype, "xla")
+    whole_logits, whole = runtime.prefill(params, prompt, np.array([prompt.shape[1]]), make(), 128)
+    for end in (128, 256):
+        _, part = runtime.prefill(params, prompt[:, :end], np.array([end]), make(), 128)
+        logits, part = runtime.prefill(params, prompt[:, end:], np.array([prompt.shape[1] - end]), part, 128)
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(whole_logits))
+        leaves_equal(part, whole)

@@ -107,3 +107,21 @@ def test_gguf_blocks_give_the_float32_path_s_tokens(smollm2):
     assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max() and (a.argmax(-1) == b.argmax(-1)).all()
     kw = dict(chat=True, max_new_tokens=64, cache="kivi2", stop_at_eos=False)
     assert kivi_jax.generate(smollm2, prompts, **kw).token_ids == kivi_jax.generate(flat, prompts, **kw).token_ids
+
+
+def test_a_prefill_from_a_chunk_end_is_the_prompts_own_prefill_bit_for_bit(smollm2):
+    """A 600-token prompt: one 512-token chunk and a 128-token last one (`runtime.ChunkPlan`). Prefilled whole, and
+    from the cache at its first chunk end (what a shared prefix starts from): the same logits to the bit. (On this
+    model a 512-wide last chunk rounds differently, so this holds only because both take the plan's narrow one.)"""
+    from kivi_jax import runtime
+    from kivi_jax.cache import make_cache
+    from kivi_jax.config import parse_cache_spec
+
+    params, cfg = smollm2.params, smollm2.config
+    prompt = np.random.RandomState(7).randint(10, cfg.vocab_size, (1, 600)).astype(np.int32)
+    assert runtime.chunk_plan(600, 512) == (512, 2, 128)
+    make = lambda: make_cache(parse_cache_spec("kivi2"), cfg, 1, 1024, params.dtype, "xla")
+    whole, _ = runtime.prefill(params, prompt, np.array([600]), make(), 512)
+    _, part = runtime.prefill(params, prompt[:, :512], np.array([512]), make(), 512)
+    rest, _ = runtime.prefill(params, prompt[:, 512:], np.array([88]), part, 512)
+    np.testing.assert_array_equal(np.asarray(rest), np.asarray(whole))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kivi_jax
+from kivi_jax import runtime
 from conftest import TINY_VOCAB
 from kivi_jax.serve.engine import Engine, Waiting
 from kivi_jax.sampling import Sampling
@@ -108,7 +109,7 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     short = prompts(5, [4, 9, 12, 30, 41, 60])
     long = prompts(6, [250])[0]
     eng = Engine(model.params, SPEC, slots=8, max_length=384, prefill_chunk=64, prefill_tokens=256, decode_group=4)
-    assert eng.prefill_room((64, 1)) == 4
+    assert eng.prefill_shape(short[0]) == runtime.ChunkPlan(64, 1, 64) and eng.prefill_room(eng.prefill_shape(short[0])) == 4
     assert Engine(model.params, SPEC, slots=8, max_length=384).prefill_tokens == 512  # the CPU's default
     sched = Scheduler(eng, model.tokenizer)
     with sched.paused():  # all six wait before the loop runs, so they are batched

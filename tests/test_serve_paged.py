@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kivi_jax
+from kivi_jax import runtime
 from kivi_jax.sampling import Sampling
 from kivi_jax.serve.engine import Engine
 from kivi_jax.serve.scheduler import Scheduler
@@ -26,9 +27,9 @@ def model(tiny_dirs):
     return kivi_jax.load(str(tiny_dirs["llama_mha"][0]), progress=False)
 
 
-def reference(model, spec, prompt, new):
+def reference(model, spec, prompt, new, chunk=64):
     return kivi_jax.generate(model, prompt, max_new_tokens=new, cache=spec, max_length=MAX_LENGTH,
-                             prefill_chunk=64).token_ids
+                             prefill_chunk=chunk).token_ids
 
 
 @pytest.mark.parametrize("spec", [SPEC, "full"])
@@ -308,6 +309,37 @@ def test_two_requests_with_a_common_prefix_hold_its_pages_once_and_answer_as_gen
         eng.free(slot)
     held = sum(len(s.pages) for s in eng.snapshots.values())
     assert eng.allocator.used_pages <= held and eng.free_pages() == eng.allocator.num_pages  # snapshots alone
+    eng.allocator.check()
+
+
+def test_a_request_from_a_shared_prefix_computes_only_its_narrow_last_chunk(model, monkeypatch):
+    """128-token chunks: a prompt of 256 + 40 tokens prefills 128, 128, then a 64-token last chunk (`ChunkPlan`);
+    a second prompt with the same 256-token prefix starts from its snapshot and runs one 64-token call; its logits
+    are those of its prefill alone, to the bit, and both answers are `generate`'s."""
+    eng = Engine(model.params, SPEC, slots=4, max_length=MAX_LENGTH, prefill_chunk=128, pages=60, prefix_snapshots=4)
+    common = prompts(41, [256])[0]
+    a, b = (common + tail for tail in prompts(42, [40, 30]))
+    assert eng.prefill_shape(b) == (128, 3, 64)
+    alone, _ = eng.prefill(b)
+    first_a = eng.admit_choices(a, [Sampling(0.0)], max_tokens=12)
+    calls, real = [], runtime.prefill_chunk
+    monkeypatch.setattr(runtime, "prefill_chunk",
+                        lambda p, tokens, *rest: calls.append(tokens.shape) or real(p, tokens, *rest))
+    logits, _, snap, _ = eng._prefill_shared(b, "")
+    monkeypatch.undo()
+    assert snap is not None and snap.length == 256 and calls == [(1, 64)]
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(alone))
+    first_b = eng.admit_choices(b, [Sampling(0.0)], max_tokens=12)
+    outs = {s.slots[0]: [s.first[0].token] for s in (first_a, first_b)}
+    for _ in range(11):
+        for slot, token in eng.step().items():
+            outs[slot].append(token)
+    assert outs[first_a.slots[0]] == reference(model, SPEC, a, 12, 128)
+    assert outs[first_b.slots[0]] == reference(model, SPEC, b, 12, 128)
+    for slot in outs:
+        eng.free(slot)
+    eng._reclaim(eng.allocator.num_pages + 1)  # more than can be had: every snapshot goes
+    assert not eng.snapshots and not eng.snapshot_refs and eng.allocator.free_pages == eng.allocator.num_pages
     eng.allocator.check()
 
 

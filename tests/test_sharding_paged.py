@@ -59,6 +59,17 @@ def test_the_pools_split_their_heads_over_model_and_keep_every_page(measured, sp
             assert x["shard"] == x["shape"], x
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_decode_step_on_a_mesh_moves_no_pool_between_devices(measured, spec):
+    """The compiled decode step's collectives (all-reduces of the sharded projections, the vocabulary's gathers) are
+    each smaller than one device's shard of the smallest pool: no page is gathered, permuted or reduced across
+    devices, each device reads its own heads' pages."""
+    got = measured[spec]["mesh"]
+    assert any(op == "all-reduce" for op, _ in got["collectives"])  # the program was read (the row-split projections)
+    assert all(n < got["pool_shard_elements"] for _, n in got["collectives"]), (got["pool_shard_elements"],
+                                                                              got["collectives"])
+
+
 def test_a_paged_cache_on_a_data_parallel_mesh_is_refused_clearly(measured):
     for where in ("engine", "make_cache"):
         msg = measured["errors"][where]
@@ -77,6 +88,18 @@ def _serve(params, spec: str, mesh: str | None) -> dict:
     from kivi_jax.sampling import Sampling
     from kivi_jax.serve.engine import Engine
 
+    from kivi_jax import runtime
+    from kivi_jax.serve import engine
+
+    calls = []  # the abstract arguments of each decode step (its cache is donated)
+
+    def recorded(*args):
+        calls.append(jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+            args))
+        return runtime.decode_step(*args)
+
+    engine.decode_step = recorded
     eng = Engine(params, spec, slots=4, max_length=MAX_LENGTH, prefill_chunk=32, attention_impl="xla", pages=PAGES,
                  mesh=mesh)
     tokens = np.random.RandomState(1).randint(3, params.config.vocab_size, (len(LENGTHS), max(LENGTHS)))
@@ -96,10 +119,27 @@ def _serve(params, spec: str, mesh: str | None) -> dict:
                           "shard": list(x.sharding.shard_shape(x.shape))}
                          for name, x in ((jax.tree_util.keystr(p, simple=True, separator="."), x)
                                          for p, x in jax.tree_util.tree_flatten_with_path(cache)[0])]
+        out["pool_shard_elements"] = min(int(np.prod(x["shard"])) for x in out["leaves"] if x["pool"])
+        out["collectives"] = _collectives(runtime.decode_step.lower(*calls[-1]).compile().as_text())
+    engine.decode_step = runtime.decode_step
     for slot in list(map(int, streams)):
         eng.finish(slot, hold=False)
     out["pages_used_end"] = eng.allocator.used_pages
     return out
+
+
+def _collectives(hlo: str) -> list:
+    """`(op, elements of its result)` for each cross-device collective of a compiled HLO text."""
+    import re
+
+    import numpy as np
+
+    found = []
+    for m in re.finditer(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                         r"(?:-start)?\(", hlo):
+        shapes = re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))
+        found.append((m.group(2), sum(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)))
+    return found
 
 
 def _errors(params) -> dict:

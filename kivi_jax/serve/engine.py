@@ -51,8 +51,8 @@ from kivi_jax import rotation, sharding
 from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.decoder import Params
-from kivi_jax.runtime import (PREFILL_CHUNK, chunk_size, decode_step, prefill, prefill_scored, prefill_steps,
-                              sample_first)
+from kivi_jax.runtime import (PREFILL_CHUNK, ChunkPlan, chunk_plan, chunk_size, decode_step, prefill, prefill_scored,
+                              prefill_steps, sample_first)
 from kivi_jax.sampling import Sampling, bitmask_width, row_settings
 from kivi_jax.serve.pages import PageAllocator, PoolExhausted
 
@@ -474,7 +474,7 @@ class Engine:
         when they are needed)."""
         if not self.paged:
             return float("inf")
-        alone = sum(1 for page, n in self.snapshot_refs.items() if n and self.allocator.refcount(page) == n)
+        alone = sum(1 for page, n in self.snapshot_refs.items() if self.allocator.refcount(page) == n)
         return self.allocator.free_pages + self.allocator.cached_pages + alone
 
     def check_pool(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> None:
@@ -633,6 +633,9 @@ class Engine:
     def _drop_snapshot(self) -> None:
         _, snap = self.snapshots.popitem(last=False)
         self.snapshot_refs.subtract(snap.pages)
+        for page in snap.pages:  # only pages some snapshot holds stay counted (`free_pages` walks them)
+            if not self.snapshot_refs[page]:
+                del self.snapshot_refs[page]
         self.allocator.release(snap.pages)
 
     def _reclaim(self, pages: int) -> None:
@@ -649,11 +652,9 @@ class Engine:
         snap = self.shared_prefix(prompt, salt)
         start = 0 if snap is None else snap.length
         cache = self.fresh_cache() if snap is None else jax.tree_util.tree_map(jnp.copy, snap.cache)
-        rest = prompt[start:]
-        tokens = np.full((1, -(-len(rest) // width) * width), self.cfg.pad_id, np.int32)
-        tokens[0, : len(rest)] = rest
+        rest = np.asarray([prompt[start:]], np.int32)  # its chunks past `start` are the prompt's own (`ChunkPlan`)
         taken = []
-        for c, (last, cache) in enumerate(prefill_steps(self.params, tokens, np.asarray([len(rest)]), cache, width)):
+        for c, (last, cache) in enumerate(prefill_steps(self.params, rest, np.asarray([rest.shape[1]]), cache, width)):
             end = start + (c + 1) * width
             if end < len(prompt):
                 taken.append((end, jax.tree_util.tree_map(jnp.copy, cache)))
@@ -871,15 +872,14 @@ class Engine:
         would spare it the work."""
         return self.prefill_batch > 1 and self._reusable(prompt) is None and self.shared_prefix(prompt, salt) is None
 
-    def prefill_shape(self, prompt: list[int]) -> tuple[int, int]:
-        """(chunk width, chunks) of the prompt's prefill: prompts of one shape are prefilled together, so that each
-        sees the chunks it sees alone and none computes chunks past its own end."""
-        width = chunk_size(len(prompt), self.prefill_chunk)
-        return width, -(-len(prompt) // width)
+    def prefill_shape(self, prompt: list[int]) -> ChunkPlan:
+        """The chunks of the prompt's prefill (width, count, the last's width): prompts of one shape are prefilled
+        together, so that each sees the chunks it sees alone and none computes chunks past its own end."""
+        return chunk_plan(len(prompt), self.prefill_chunk)
 
-    def prefill_room(self, shape: tuple[int, int]) -> int:
+    def prefill_room(self, shape: ChunkPlan) -> int:
         """The most prompts of prefill shape `shape` one batched prefill takes."""
-        return max(1, min(self.prefill_batch, self.prefill_tokens // shape[0]))
+        return max(1, min(self.prefill_batch, self.prefill_tokens // shape.width))
 
     def start_prefill(self, requests: Sequence[Waiting]) -> PrefillJob:
         """Reserves the slots of `requests` (one a choice; every prompt of one `prefill_shape`, at most
@@ -890,7 +890,7 @@ class Engine:
         if not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
             raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
                              f"{len(requests)} of shapes {sorted(shapes)}")
-        _, chunks = shapes.pop()
+        chunks = shapes.pop().chunks
         need = pages = 0
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints, r.max_tokens)
@@ -928,8 +928,8 @@ class Engine:
         if self.prefix_snapshots:  # each prompt's cache at this chunk end, if its prompt goes on past it
             if not job.taken:
                 job.taken = [[] for _ in job.requests]
-            width, chunks = self.prefill_shape(job.requests[0].prompt)
-            end = (chunks - job.chunks_left) * width
+            shape = self.prefill_shape(job.requests[0].prompt)
+            end = (shape.chunks - job.chunks_left) * shape.width
             for i, req in enumerate(job.requests):
                 if end < len(req.prompt):
                     job.taken[i].append((end, extract_cache(job.cache, jnp.int32(i), self.axes)))
