@@ -16,7 +16,8 @@ The servers run one at a time, each as a subprocess on a free loopback port, wit
 (the first run on kivi-jax also compiles its shapes: every run is reported). A workload is a number of concurrent
 streaming chat clients, one request each, greedy, with prompts of given token lengths (made from the prose every
 Python ships, `kivi_jax.evaluate.default_text`) and a number of new tokens; the report gives output tokens/s, time to
-first token (p50, p99), the gap between streamed tokens, and whether the greedy answers agree across servers.
+first token (p50, p99), the gap between streamed tokens, the most requests decoding at once and the preemptions (both
+read from the servers' /metrics), and whether the greedy answers agree across servers.
 """
 
 from __future__ import annotations
@@ -102,14 +103,51 @@ def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
     return out
 
 
+# Prometheus series read from either server's /metrics: requests decoding now, preemptions so far
+LIVE_SERIES = ("kivi_serve_live_slots", "vllm:num_requests_running")
+PREEMPT_SERIES = ("kivi_serve_preemptions_total", "vllm:num_preemptions_total")
+
+
+def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
+    """The sum of the series `names` in the server's /metrics (labels ignored), None where it has none of them."""
+    try:
+        text = http.get(url + "/metrics", timeout=5).text
+    except Exception:  # noqa: BLE001 - a missed sample is only a missed sample
+        return None
+    total = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.split("{", 1)[0] in names:
+            total = (total or 0.0) + float(value)
+    return total
+
+
 def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
-    """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL."""
+    """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL, the most
+    requests decoding at once (the servers' /metrics sampled every 0.2 s) and the preemptions."""
     import httpx
     import numpy as np
 
     from kivi_jax.serve.loadtest import stream_one
 
     results = [None] * len(prompts)
+    done = threading.Event()
+    live = []
+
+    def poll() -> None:
+        with httpx.Client() as http:
+            while not done.is_set():
+                n = scrape(http, url, LIVE_SERIES)
+                if n is not None:
+                    live.append(n)
+                done.wait(0.2)
+
+    with httpx.Client() as http:
+        preempted0 = scrape(http, url, PREEMPT_SERIES)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
 
     def client(i: int) -> None:
         with httpx.Client(timeout=3600) as http:
@@ -123,6 +161,10 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    done.set()
+    poller.join()
+    with httpx.Client() as http:
+        preempted1 = scrape(http, url, PREEMPT_SERIES)
     ok = [r for r in results if r and r["status"] == 200 and r["arrivals"]]
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
@@ -130,7 +172,8 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 3) if xs else None  # noqa: E731
     return {"requests": len(prompts), "ok": len(ok), "seconds": round(wall, 2), "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / wall, 2), "ttft_s_p50": pct(ttft, 50), "ttft_s_p99": pct(ttft, 99),
-            "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99)}
+            "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99), "peak_live": int(max(live)) if live else None,
+            "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0))}
 
 
 def answers(url: str, prompts: list[str], new_tokens: int) -> list[str]:
@@ -151,18 +194,18 @@ def kv_capacity(name: str, logfile: Path) -> str | None:
     for line in logfile.read_text(errors="replace").splitlines():
         if name == "vllm" and ("GPU KV cache size" in line or "KV cache size" in line):
             return line.split("] ")[-1].strip()
-        if name != "vllm" and " slots of " in line:
+        if name != "vllm" and (" slots of " in line or " pages of " in line):  # kivi-jax slots, or paged
             return line.split("; cache ", 1)[-1].strip()
     return None
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | ok |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | peak live | "
+             "preempted | ok |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['server']} | {r['run']} | {r['output_tokens_per_s']} | "
                      f"{r['ttft_s_p50']} / {r['ttft_s_p99']} | {r['itl_s_p50']} / {r['itl_s_p99']} | "
-                     f"{r['ok']}/{r['requests']} |")
+                     f"{r.get('peak_live')} | {r.get('preemptions')} | {r['ok']}/{r['requests']} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,56 @@
+"""scripts/compare_vllm_serve.py reads both servers' /metrics and start lines (vLLM itself is never run here)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import compare_vllm_serve as cmp  # noqa: E402
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 14.0
+vllm:num_requests_running{engine="1",model_name="smollm2"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} 50.0
+vllm:num_preemptions_total{engine="0",model_name="smollm2"} 3.0
+"""
+KIVI_METRICS = """# HELP kivi_serve_live_slots slots decoding a request
+# TYPE kivi_serve_live_slots gauge
+kivi_serve_live_slots 31
+kivi_serve_peak_live_slots 64
+kivi_serve_preemptions_total 0
+"""
+
+
+class FakeHttp:
+    def __init__(self, text):
+        self.text = text
+
+    def get(self, url, timeout):
+        assert url.endswith("/metrics")
+        return self
+
+
+class DownHttp:
+    def get(self, url, timeout):
+        raise ConnectionError("refused")
+
+
+def test_scrape_sums_labelled_series_and_reads_plain_ones():
+    assert cmp.scrape(FakeHttp(VLLM_METRICS), "u", cmp.LIVE_SERIES) == 16.0  # both engines, not the waiting ones
+    assert cmp.scrape(FakeHttp(VLLM_METRICS), "u", cmp.PREEMPT_SERIES) == 3.0
+    assert cmp.scrape(FakeHttp(KIVI_METRICS), "u", cmp.LIVE_SERIES) == 31.0  # not the peak since start
+    assert cmp.scrape(FakeHttp(KIVI_METRICS), "u", cmp.PREEMPT_SERIES) == 0.0
+
+
+def test_scrape_without_the_series_or_the_server_is_none():
+    assert cmp.scrape(FakeHttp("# nothing\nother_metric 1\n"), "u", cmp.LIVE_SERIES) is None
+    assert cmp.scrape(DownHttp(), "u", cmp.LIVE_SERIES) is None
+
+
+def test_kv_capacity_reads_slots_and_paged_start_lines(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("starting\nkivi-jax serve: model 'smollm2'; cache kivi2, paged: 72 rows of up to 2048 tokens (6 MiB "
+                   "a row), a pool of 900 pages of 128 tokens (1 MiB a page), 1 GiB in all\n")
+    assert cmp.kv_capacity("kivi2:--paged", log).startswith("kivi2, paged: 72 rows of up to 2048")
+    log.write_text("kivi-jax serve: model 'smollm2'; cache kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all\n")
+    assert cmp.kv_capacity("kivi2", log) == "kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all"
