@@ -560,14 +560,15 @@ class KIVICache:
                                     self.length, k_rot, v, num_new, window, sinks=sinks,
                                     inv_freq=rope.inv_freq if kivi.pre_rope else None,
                                     softcap=softcap)  # stacks read in place
-        return out, self.append_update(self.k_ring[layer], self.v_ring[layer], heads_first(stored), heads_first(v),
-                                       num_new)
+        return out, self.append_update(self.k_ring, self.v_ring, heads_first(stored), heads_first(v), num_new, layer)
 
     def append_update(self, k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array,
-                      num_new: jax.Array) -> KIVIUpdate:
+                      num_new: jax.Array, layer: jax.Array | None = None) -> KIVIUpdate:
         """One layer's writes when new tokens `k, v [batch, kv_heads, T, head_dim]` (`num_new [batch]` real; keys as
         stored, before RoPE for a pre-RoPE cache) arrive at `length`: the candidate rows of each store quantized from
-        the ring and the new tokens, the new ring, and the first new tokens for the sink rows.
+        the ring and the new tokens, the new ring, and the first new tokens for the sink rows. The rings are one
+        layer's, or (`layer` given) the stacks, read at that layer (only the rows quantized: slicing a layer out of
+        the stack first copied it, a seventh of a 32-row decode step).
 
         Every quantized group is computed from the same values in the same order as one-token appends would, so the
         stores come out bit-identical whatever the chunking (tests/test_chunked.py).
@@ -581,7 +582,7 @@ class KIVICache:
 
             def quantize(store=store, pos=pos, ring=ring, new=new):
                 return store.quantize(without_sinks(store, pos, tokens_at(sink_stand_in(store, pos, self.config.sinks),
-                                                                          ring, new, length), self.config.sinks))
+                                                                          ring, new, length, layer), self.config.sinks))
 
             # Only when some sequence quantizes a row now: a decode step completes a key block once in R steps, and
             # quantizing a whole R-block every step (then dropping it) was a third of a SmolLM2 step at batch 8.
@@ -658,14 +659,20 @@ def check_pages(pages) -> None:
         raise ValueError(f"pages={pages!r}: a paged cache's pool needs a positive whole number of pages")
 
 
-def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array) -> jax.Array:
+def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array, layer=None) -> jax.Array:
     """`[batch, kv_heads, n, head_dim]`: the key or value of token `pos [batch, n]` from one layer's ring (`pos <
-    length`: slot `pos % R`) or the new tokens `new [batch, kv_heads, T, head_dim]` (`pos >= length`). Positions
-    outside both give some entry of them (never written)."""
-    r, tokens = ring.shape[2], new.shape[2]
+    length`: slot `pos % R`; with `layer`, the stacked rings `[layers, ...]` read at it) or the new tokens `new
+    [batch, kv_heads, T, head_dim]` (`pos >= length`). Positions outside both give some entry of them (never
+    written)."""
+    r, tokens = ring.shape[-2], new.shape[2]
     is_new = (pos >= length[:, None])[:, None, :, None]
     # two gathers of the n rows and a select (concatenating ring and new tokens first copied the whole ring)
-    from_ring = jnp.take_along_axis(ring, jnp.mod(pos, r)[:, None, :, None], axis=2)
+    if layer is None:
+        from_ring = jnp.take_along_axis(ring, jnp.mod(pos, r)[:, None, :, None], axis=2)
+    else:
+        batch, heads = ring.shape[1], ring.shape[2]
+        from_ring = ring[layer, jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None],
+                         jnp.mod(pos, r)[:, None, :]]  # [batch, kv_heads, n, head_dim]
     new_idx = jnp.clip(pos - length[:, None], 0, tokens - 1)
     from_new = jnp.take_along_axis(new.astype(ring.dtype), new_idx[:, None, :, None], axis=2)
     return jnp.where(is_new, from_new, from_ring)
