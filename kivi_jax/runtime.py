@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import sharding
+from kivi_jax import sharding, weights
 from kivi_jax.cache import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError
 from kivi_jax.config import allocation_multiple
 from kivi_jax.models.config import ModelConfig
@@ -255,9 +255,9 @@ def sample_first(logits, keys, temperature, top_k, top_p, constrained=None, bitm
 def decode_logits(params: Params, tokens, cache, live=None, rows=None):
     """The model call of a decode step: one token a row `tokens [batch]` (`live [batch]` bool: other rows advance by
     0 tokens; None: all) -> (float32 logits `[batch or rows, vocab]`, cache). With `rows [B]` only those rows are
-    computed (`forward`'s `rows`)."""
+    computed (`forward`'s `rows`). Float32 weights are seen as `weights.FloatMatrix` (the native CPU matmul)."""
     num_new = None if live is None else live.astype(jnp.int32)
-    logits, cache = forward(params, tokens[:, None], cache, num_new=num_new, rows=rows)
+    logits, cache = forward(weights.native_view(params), tokens[:, None], cache, num_new=num_new, rows=rows)
     return logits[:, 0], cache
 
 

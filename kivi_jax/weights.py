@@ -175,6 +175,99 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
     return jax.lax.platform_dependent(cpu=cpu, default=xla)
 
 
+@struct.dataclass
+class FloatMatrix:
+    """A float32 projection `W [(layers,) in, out]` (`transposed`) or table `T [rows, cols]` that the model sees as a
+    matrix with `matmul_t`, as it sees a `QuantizedMatrix`: made inside a trace by `native_view`, so that a decode
+    step's matmuls run in the native CPU kernel, which reads a stacked leaf in place at the layer index (XLA's dot
+    would first copy the layer's slice out of the stack: a quarter of a 32-row step's time, docs/kernels.md)."""
+
+    w: jax.Array
+    layer: jax.Array | None = None
+    transposed: bool = struct.field(pytree_node=False, default=True)
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    @property
+    def num_rows(self) -> int:
+        """Output units (`M = W.T` has one a row)."""
+        return self.w.shape[-1] if self.transposed else self.w.shape[-2]
+
+    @property
+    def num_cols(self) -> int:
+        return self.w.shape[-2] if self.transposed else self.w.shape[-1]
+
+    def at_layer(self, layer: jax.Array) -> "FloatMatrix":
+        return self.replace(layer=layer)
+
+    def _matrix(self) -> jax.Array:
+        """The matrix in use (the stack at `layer`: a slice XLA copies)."""
+        return self.w if self.layer is None else self.w[self.layer]
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `T[ids]` of a table (an embedding lookup)."""
+        return self._matrix()[ids]
+
+    def matmul_t(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        return float_matmul_many(x, (self,), out_dtype)[0]
+
+    def matmul_t_many(self, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
+        return float_matmul_many(x, tuple(ws), out_dtype)
+
+    def native_reason(self, rows: int, x_dtype) -> str | None:
+        """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
+        from kivi_jax import native
+        from kivi_jax.mesh_scope import active_mesh
+        from kivi_jax.native import matmul
+
+        if self.impl == "xla":
+            return "impl='xla'"
+        if rows > matmul.SPLIT_ROWS:
+            return f"{rows} activation rows is more than the native path's {matmul.SPLIT_ROWS}"
+        if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(self.w.dtype) != jnp.float32:
+            return "the kernel computes float32 weights and activations"
+        if active_mesh() is not None:
+            return "a device mesh is active (XLA partitions the dot)"
+        if not native.available():
+            return f"the native kernels are unavailable ({native.error()})"
+        return None
+
+
+def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...]:
+    """`x [..., cols]` times each float matrix of `ws` -> `[..., rows_i]` each, in `out_dtype` (default x's): on the
+    CPU one native call for all of them when each may take the kernel (`lax.platform_dependent`: a program lowered
+    for a GPU or TPU gets XLA's dot), else XLA's dot."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead, cols = x.shape[:-1], x.shape[-1]
+    n = math.prod(lead)
+
+    def xla():
+        return tuple((x @ w._matrix() if w.transposed else
+                      jnp.einsum("...c,rc->...r", x, w._matrix(), preferred_element_type=out_dtype)).astype(out_dtype)
+                     for w in ws)
+
+    reasons = [w.native_reason(n, x.dtype) for w in ws]
+    if any(reasons):
+        for w, why in zip(ws, reasons):
+            if w.impl == "native" and why:
+                warnings.warn(f"weights impl 'native': {why}; using the XLA path", stacklevel=4)
+        return xla()
+    from kivi_jax.native import matmul
+
+    def cpu():
+        ys = matmul.fmatmul(x.reshape(n, cols), *ws)
+        return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
+
+    return jax.lax.platform_dependent(cpu=cpu, default=xla)
+
+
+def native_view(params, impl: str = "auto"):
+    """`params` with every float32 projection and table seen as a `FloatMatrix` (a view, no copy: for use inside a
+    jitted decode step), so that the native CPU kernel computes their matmuls; other params as they are."""
+    new = {name: FloatMatrix(w, transposed=not table, impl=impl) for name, w, table in _quantizable(params)
+           if not is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32}
+    return replace_leaves(params, new) if new else params
+
+
 def _unpack4(codes: jax.Array, group: int) -> jax.Array:
     """4-bit codes `[..., cols // 2]` (GGUF layout within each group) -> uint8 codes `[..., cols]`."""
     half = group // 2

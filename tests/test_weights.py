@@ -107,6 +107,73 @@ def test_native_is_taken_for_decode_and_xla_for_prefill(monkeypatch):
         jax.jit(lambda x: w.replace(impl="native").matmul_t(x)).lower(jnp.ones((65, 64), jnp.float32))
 
 
+# (in, out) of float matrices: neither a multiple of the kernel's column blocks (64, 16) nor of the SIMD width
+FLOAT_CASES = [(64, 96), (72, 40), (33, 17), (576, 192)]
+
+
+@pytest.mark.parametrize("cols, rows", FLOAT_CASES)
+def test_float_native_matmul_equals_the_xla_twin(cols, rows):
+    """A float32 projection W [in, out] (read at a layer of its stack) and a table T [out, in] through the native
+    kernel against XLA's dot, for every activation-row count a decode bucket can have and a few odd ones."""
+    assert native.available(), native.error()
+    rng = np.random.default_rng(cols * rows)
+    w = jnp.asarray(rng.standard_normal((3, cols, rows)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
+    f = jax.jit(lambda x, m, layer: m.at_layer(layer).matmul_t(x) if m.transposed else m.matmul_t(x))
+    for batch in (1, 2, 3, 7, 8, 13, 16, 32, 45, 64):
+        x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)
+        for m, want in ((weights.FloatMatrix(w), np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)),
+                        (weights.FloatMatrix(t, transposed=False), np.asarray(x, np.float64) @ np.asarray(t).T)):
+            ref = np.asarray(f(x, m.replace(impl="xla"), jnp.int32(2)))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no silent fallback
+                got = np.asarray(f(x, m.replace(impl="native"), jnp.int32(2)))
+            assert np.abs(ref - want).max() <= 1e-5 * np.abs(want).max()
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (m.transposed, batch)
+
+
+def test_float_matrices_sharing_an_input_run_in_one_native_call(monkeypatch):
+    from kivi_jax.models.weights import dot_many
+    from kivi_jax.native import matmul
+
+    calls = []
+    real = matmul.fmatmul
+    monkeypatch.setattr(matmul, "fmatmul", lambda x, *ws: calls.append(len(ws)) or real(x, *ws))
+    rng = np.random.default_rng(0)
+    ws = tuple(weights.FloatMatrix(jnp.asarray(rng.standard_normal((2, 64, n)), jnp.float32)) for n in (64, 32, 32))
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    got = jax.jit(lambda x, ws, layer: dot_many(x, tuple(w.at_layer(layer) for w in ws)))(x, ws, jnp.int32(1))
+    assert calls == [3]
+    for y, w in zip(got, ws):
+        want = np.asarray(x) @ np.asarray(w.w[1])
+        assert np.abs(np.asarray(y) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_native_view_takes_float32_decode_steps_only():
+    """`native_view` runs a float32 decode step's projections and tied head in the native kernel (the stacks read in
+    place: no dynamic slice of a weight stack is left), with the logits of the plain model; a prefill chunk, bfloat16
+    weights and a program lowered for a GPU keep XLA's dot."""
+    params = init_params(tiny_cfg(num_layers=3), jax.random.PRNGKey(0))
+    cache = kivi_jax.make_cache("kivi2", params.config, 4, 256)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (4, 1)), jnp.int32)
+    plain = jax.jit(lambda p, t, c: forward(p, t, c)[0])
+    viewed = jax.jit(lambda p, t, c: forward(weights.native_view(p), t, c)[0])
+    text = viewed.lower(params, tokens, cache).compile().as_text()
+    assert text.count('custom_call_target="kivi_jax_fmatmul"') == 5  # qkv, o, gate+up, down, the head
+    sliced = lambda hlo: [l for l in hlo.splitlines() if "dynamic-slice" in l and "= f32[192,128]" in l]  # w_down
+    assert sliced(plain.lower(params, tokens, cache).compile().as_text()) and not sliced(text)
+    got, want = np.asarray(viewed(params, tokens, cache)), np.asarray(plain(params, tokens, cache))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    prefill = jnp.zeros((1, 96), jnp.int32)
+    assert "kivi_jax_fmatmul" not in viewed.lower(params, prefill, kivi_jax.make_cache("kivi2", params.config, 1, 256)
+                                                 ).as_text()
+    bf16 = weights.convert_params(params, "bfloat16")
+    assert "kivi_jax_fmatmul" not in viewed.lower(bf16, tokens, kivi_jax.make_cache(
+        "kivi2", params.config, 4, 256, jnp.bfloat16)).as_text()
+    gpu = viewed.trace(params, tokens, cache).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kivi_jax_fmatmul" not in gpu and "dot_general" in gpu
+
+
 def tiny_cfg(**kw) -> LlamaConfig:
     base = dict(vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=32, tie_word_embeddings=True)

@@ -1,4 +1,5 @@
-"""Build, cache, load and register the C++ CPU kernels (XLA FFI handlers in `decode_cpu.cc` and `matmul_cpu.cc`).
+"""Build, cache, load and register the C++ CPU kernels (XLA FFI handlers in `decode_cpu.cc`, `matmul_cpu.cc` and
+`fmatmul_cpu.cc`).
 
 On first use the sources are compiled with the system C++ compiler (`$CXX`, else `g++`, else `c++`) against the FFI
 headers jaxlib ships (`jax.ffi.include_dir()`): `-O3 -march=native -shared -fPIC -std=c++17`, or without
@@ -27,10 +28,11 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc")  # compiled into one library
-HEADERS = (HERE / "simd.h",)
+SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc", HERE / "fmatmul_cpu.cc")  # compiled into one library
+HEADERS = (HERE / "simd.h", HERE / "gemm.h")
 TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode",
-           "kivi_jax_eight_decode": "KiviJaxEightDecode", "kivi_jax_qmatmul": "KiviJaxQMatmul"}
+           "kivi_jax_eight_decode": "KiviJaxEightDecode", "kivi_jax_qmatmul": "KiviJaxQMatmul",
+           "kivi_jax_fmatmul": "KiviJaxFMatmul"}
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")

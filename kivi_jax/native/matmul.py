@@ -1,6 +1,7 @@
-"""The native quantized-weight matmul as a jax function: `y = x M^T` for a `kivi_jax.weights.QuantizedMatrix`, run
-through `jax.ffi.ffi_call` on the CPU backend (`matmul_cpu.cc`); its pure-jnp twin is the matrix's XLA path
-(dequantize, then dot). The stacked `[layers, rows, ...]` leaves are operands read in place at the layer index.
+"""The native weight matmuls as jax functions, run through `jax.ffi.ffi_call` on the CPU backend: `y = x M^T` for a
+`kivi_jax.weights.QuantizedMatrix` (`matmul_cpu.cc`; its pure-jnp twin is the matrix's XLA path, dequantize then
+dot) and `y = x W` / `x T^T` for a float32 `kivi_jax.weights.FloatMatrix` (`fmatmul_cpu.cc`; twin: XLA's dot). The
+stacked `[layers, ...]` leaves are operands read in place at the layer index.
 """
 
 from __future__ import annotations
@@ -51,3 +52,20 @@ def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     return tuple(call(x.astype(jnp.float32), layer, *operands, bits=np.array([w.bits for w in ws], np.int64),
                       group=np.array([w.group for w in ws], np.int64),
                       offset=np.array([w.offset for w in ws], np.int64)))
+
+
+def fmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
+    """`x [n, cols]` float32 times each float32 matrix of `ws` (`FloatMatrix`: a projection `[(layers,) cols, rows]`
+    or a table `[rows, cols]`, matrices sharing their input; each one matrix, or a stack read at its `layer`) -> one
+    `[n, rows]` float32 array each, in one call."""
+    if build.load() is None:
+        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
+    layer = next((w.layer for w in ws if w.layer is not None), None)
+    if any((w.layer is None) != (layer is None) for w in ws):
+        raise ValueError("matrices of one call must all be read at the same layer, or all be single matrices")
+    operands = [w.w if w.w.ndim == 3 else w.w[None] for w in ws]
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.num_rows), jnp.float32) for w in ws]
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call("kivi_jax_fmatmul", tuple(results))
+    return tuple(call(x.astype(jnp.float32), layer, *(o.astype(jnp.float32) for o in operands),
+                      projection=np.array([int(w.transposed) for w in ws], np.int64)))

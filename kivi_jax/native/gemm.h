@@ -1,0 +1,191 @@
+// Register-blocked float32 tiles of y = x W for the few activation rows of a decode step (docs/kernels.md "Float
+// weights"), shared by the float-weight matmul (fmatmul_cpu.cc) and the quantized one's many-row path
+// (matmul_cpu.cc, on weight rows decoded to float32 first).
+//
+// Two layouts of the weights, two tiles:
+// - `axpy_tile`: W [C, R] row by row (a projection W [in, out]: the output units of a row contiguous). MR activation
+//   rows times NV vectors of output units: each weight vector feeds MR FMAs, each activation broadcast NV.
+// - `dot_tile`: W [R, C] row by row (one row an output unit: an embedding table, or quantized rows decoded). MR
+//   activation rows times NR weight rows, summed along C in vector lanes and reduced at the end.
+
+#pragma once
+
+#include "simd.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int AXPY_MR = 6, AXPY_NV = 4;  // 24 accumulators of the 32 registers
+constexpr int DOT_MR = 4, DOT_NR = 4;    // 16 accumulators
+#else
+constexpr int AXPY_MR = 4, AXPY_NV = 2;  // 8 accumulators of the 16 registers
+constexpr int DOT_MR = 3, DOT_NR = 3;    // 9 accumulators
+#endif
+// y[i, j] = sum_c x[i, c] w[c, j] for i < MR, j < NV * W: activation rows at stride ldx, weight rows at stride ldw,
+// outputs at stride ldy. `next`: the weights of the next column block (same rows and stride), or null: this tile,
+// the `part`-th of `parts`, requests the lines of that block's rows [C * part / parts, C * (part + 1) / parts) into
+// L2, one row every `parts` steps, so that the next block's first tile finds its weights in cache.
+template <int MR, int NV>
+inline void axpy_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t C, float* y, int64_t ldy,
+                      const float* next, int part, int parts) {
+  const char* pf = next ? reinterpret_cast<const char*>(next + C * part / parts * ldw) : nullptr;
+  const char* pf_end = next ? reinterpret_cast<const char*>(next + C * (part + 1) / parts * ldw) : nullptr;
+  int countdown = 0;
+  vf acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
+  for (int64_t c = 0; c < C; ++c) {
+    const float* wc = w + c * ldw;
+    if (pf && --countdown <= 0 && pf < pf_end) {
+#pragma GCC unroll 4
+      for (int k = 0; k < NV * W * 4; k += 64) _mm_prefetch(pf + k, _MM_HINT_T1);
+      pf += ldw * 4;
+      countdown = parts;
+    }
+    vf wv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) wv[j] = vload(wc + j * W);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const vf xb = vbroadcast(x + i * ldx + c);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[i][j] += xb * wv[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) vstore(y + i * ldy + j * W, acc[i][j]);
+}
+
+using AxpyFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, const float*, int,
+                        int);
+
+template <int NV>
+AxpyFn axpy_for_rows(int mr) {
+  switch (mr) {
+    case 1: return axpy_tile<1, NV>;
+    case 2: return axpy_tile<2, NV>;
+    case 3: return axpy_tile<3, NV>;
+#if defined(__AVX512F__)
+    case 4: return axpy_tile<4, NV>;
+    case 5: return axpy_tile<5, NV>;
+    default: return axpy_tile<6, NV>;
+#else
+    default: return axpy_tile<4, NV>;
+#endif
+  }
+}
+
+// Output units [r0, r1) of y [N, R] = x [N, C] W [C, R] (W row by row, R its row stride): column blocks of AXPY_NV
+// vectors, then of one vector, then the units past the last whole vector one at a time. Each block's activation
+// tiles read its weights from cache, its tiles having requested them while computing the block before (the
+// previous block of the matrix, which this thread most likely took before), so that memory traffic overlaps
+// arithmetic.
+inline void axpy_block(const float* x, int64_t N, int64_t C, const float* w, float* y, int64_t R, int64_t r0,
+                       int64_t r1) {
+  int64_t r = r0;
+  const int tiles = (int)((N + AXPY_MR - 1) / AXPY_MR);
+  for (; r + AXPY_NV * W <= r1; r += AXPY_NV * W) {
+    const float* next = r + 2 * AXPY_NV * W <= R ? w + r + AXPY_NV * W : nullptr;
+    for (int64_t n = 0; n < N; n += AXPY_MR) {
+      const int mr = (int)std::min<int64_t>(AXPY_MR, N - n);
+      axpy_for_rows<AXPY_NV>(mr)(x + n * C, C, w + r, R, C, y + n * R + r, R, next, (int)(n / AXPY_MR), tiles);
+    }
+  }
+  for (; r + W <= r1; r += W)
+    for (int64_t n = 0; n < N; n += AXPY_MR) {
+      const int mr = (int)std::min<int64_t>(AXPY_MR, N - n);
+      axpy_for_rows<1>(mr)(x + n * C, C, w + r, R, C, y + n * R + r, R, nullptr, 0, 1);
+    }
+  for (; r < r1; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      float s = 0.0f;
+      for (int64_t c = 0; c < C; ++c) s += x[n * C + c] * w[c * R + r];
+      y[n * R + r] = s;
+    }
+}
+
+// y[i, j] = sum_c x[i, c] w[j, c] for i < MR, j < NR: activation rows at stride ldx, weight rows at stride ldw,
+// outputs at stride ldy. The C % W columns past the last whole vector are added one by one.
+template <int MR, int NR>
+inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t C, float* y, int64_t ldy) {
+  vf acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = vf{};
+  int64_t c = 0;
+  for (; c + W <= C; c += W) {
+    vf wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wv[j] = vload(w + j * ldw + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const vf xv = vload(x + i * ldx + c);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t k = c; k < C; ++k) s += x[i * ldx + k] * w[j * ldw + k];
+      y[i * ldy + j] = s;
+    }
+}
+
+using DotFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+template <int NR>
+DotFn dot_for_rows(int mr) {
+  switch (mr) {
+    case 1: return dot_tile<1, NR>;
+    case 2: return dot_tile<2, NR>;
+#if defined(__AVX512F__)
+    case 3: return dot_tile<3, NR>;
+    default: return dot_tile<4, NR>;
+#else
+    default: return dot_tile<3, NR>;
+#endif
+  }
+}
+
+inline DotFn dot_kernel(int mr, int nr) {
+  switch (nr) {
+    case 1: return dot_for_rows<1>(mr);
+    case 2: return dot_for_rows<2>(mr);
+#if defined(__AVX512F__)
+    case 3: return dot_for_rows<3>(mr);
+    default: return dot_for_rows<4>(mr);
+#else
+    default: return dot_for_rows<3>(mr);
+#endif
+  }
+}
+
+// Output units [r0, r1) of y [N, R] = x [N, C] W^T for W [R, C] row by row at stride ldw (w points at row r0): for
+// each tile of DOT_MR activation rows (held in L1), every DOT_NR weight rows of the block. `next`, `next_bytes`: the
+// weights the thread most likely takes next (the following block), requested into L2 a share after each tile, so
+// that their memory traffic overlaps this block's arithmetic.
+inline void dot_block(const float* x, int64_t N, int64_t C, const float* w, int64_t ldw, float* y, int64_t R,
+                      int64_t r0, int64_t r1, const float* next = nullptr, int64_t next_bytes = 0) {
+  const int64_t tiles = ((N + DOT_MR - 1) / DOT_MR) * ((r1 - r0 + DOT_NR - 1) / DOT_NR);
+  const int64_t share = next ? ((next_bytes + 63) / 64 + tiles - 1) / tiles * 64 : 0;  // bytes a tile requests
+  const char* pf = reinterpret_cast<const char*>(next);
+  const char* pf_end = pf + next_bytes;
+  for (int64_t n = 0; n < N; n += DOT_MR) {
+    const int mr = (int)std::min<int64_t>(DOT_MR, N - n);
+    for (int64_t r = r0; r < r1; r += DOT_NR) {
+      const int nr = (int)std::min<int64_t>(DOT_NR, r1 - r);
+      dot_kernel(mr, nr)(x + n * C, C, w + (r - r0) * ldw, ldw, C, y + n * R + r, R);
+      for (int64_t k = 0; k < share && pf < pf_end; k += 64, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    }
+  }
+}
+
+}  // namespace
