@@ -175,3 +175,37 @@ def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec
             assert engine_mod.decode_step._cache_size() - compiled <= 4  # buckets 1, 2, 4, 8
     assert any(len(t) > 1 for t in got[True]) and any(len(t) == 1 for t in got[True])
     assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):
+    """After `warm_up` a batch of short prompts, a long prompt of several chunks and decode steps at every live count
+    compile no new program (the prefill chunk, insert, first draw and decode step caches do not grow); the engine is
+    as it was (slots free, every page back, counters untouched) and its answers equal a cold engine's."""
+    kw = dict(slots=6, max_length=MAX_LENGTH, prefill_chunk=64, decode_group=3 if not paged else None,
+              pages=6 * (MAX_LENGTH // 16) if paged else None)
+    cold, warm = Engine(model.params, SPEC, **kw), Engine(model.params, SPEC, **kw)
+    before = dict(warm.counters)
+    done = warm.warm_up()
+    assert done["programs"] > 0 and warm.count("free") == 6 and warm.counters == before
+    if paged:
+        assert warm.free_pages() == warm.allocator.num_pages
+    jitted = (runtime.prefill_chunk, runtime.decode_step, runtime.sample_first)
+    sizes = [f._cache_size() for f in jitted]
+    batch = prompts(11, [20, 33, 60, 64, 150])  # four of one chunk (a batch), one of three chunks
+
+    def serve(engine):
+        out = {}
+        for group in (batch[:4], batch[4:]):
+            job = engine.start_prefill([Waiting(p, [Sampling(0.0)]) for p in group])
+            while (admitted := engine.advance(job)) is None:
+                pass
+            for p, a in zip(group, admitted):
+                out[a.slots[0]] = [a.first[0].token]
+        for _ in range(4):
+            for slot, token in engine.step().items():
+                out[slot].append(token)
+        return [out[s] for s in sorted(out)]
+
+    assert serve(warm) == serve(cold)
+    assert [f._cache_size() for f in jitted] == sizes

@@ -52,6 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "costs; all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every prefill shape and decode bucket before serving (about 1-3 s each on a 2-core "
+                        "CPU, which requests would otherwise wait; default: on for `serve`, off for `bench serve`)")
     add_mesh_args(p)  # with --mesh, --cache-budget is per device and slots a multiple of the data axis
 
 
@@ -75,9 +78,11 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def server_from_args(args, model_name: str | None = None, progress: bool = True, before_load=None):
+def server_from_args(args, model_name: str | None = None, progress: bool = True, before_load=None,
+                     warmup: bool = False):
     """Loads the model and builds the server the flags describe; `before_load()` runs once the flags are checked,
-    before the model loads (`serve` binds its port there, so that a busy port fails at once)."""
+    before the model loads (`serve` binds its port there, so that a busy port fails at once). `warmup`: the default
+    of --warmup (its engine compiles what it will run before it serves: `Engine.warm_up`)."""
     import kivi_jax
     from kivi_jax.bench import parse_bytes
     from kivi_jax.cli_args import _dtype, cache_from_args, mesh_from_args
@@ -107,7 +112,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None),
                         prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens,
                         paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
-                        prefix_snapshots=getattr(args, "prefix_snapshots", 0))
+                        prefix_snapshots=getattr(args, "prefix_snapshots", 0),
+                        warmup=warmup if getattr(args, "warmup", None) is None else args.warmup)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -127,7 +133,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def cmd_serve(args) -> int:
     sockets = []
     server = server_from_args(args, args.served_model_name,
-                              before_load=lambda: sockets.append(listen_socket(args.host, args.port)))
+                              before_load=lambda: sockets.append(listen_socket(args.host, args.port)), warmup=True)
     sock = sockets[0]
     from kivi_jax.serve.http import make_uvicorn
 

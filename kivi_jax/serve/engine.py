@@ -51,8 +51,8 @@ from kivi_jax import rotation, sharding
 from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.decoder import Params
-from kivi_jax.runtime import (PREFILL_CHUNK, ChunkPlan, chunk_plan, chunk_size, decode_step, prefill, prefill_scored,
-                              prefill_steps, sample_first)
+from kivi_jax.runtime import (PREFILL_CHUNK, PROMPT_BUCKET, ChunkPlan, chunk_plan, chunk_size, decode_step, prefill,
+                              prefill_scored, prefill_steps, sample_first)
 from kivi_jax.sampling import Sampling, bitmask_width, row_settings
 from kivi_jax.serve.pages import PageAllocator, PoolExhausted
 
@@ -991,25 +991,9 @@ class Engine:
             idx = [i for i in range(n) if self.slots[first + i].state == LIVE]  # live rows of the group
             if not idx:
                 continue
-            bucket = self.buckets
             width = min(1 << (len(idx) - 1).bit_length(), n)
-            picked = idx + [n] * (width - len(idx)) if bucket else list(range(n))  # n: a padding row
-            rows = [self.slots[first + i] if i < n else Slot() for i in picked]
-            mask = np.array([s.state == LIVE for s in rows])
-            tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
-            sampling = [s.sampling if s.state == LIVE else Sampling(0.0) for s in rows]
-            forced = np.array([s.state == LIVE and bool(s.forced) for s in rows])
-            forced_next = np.array([s.forced[0] if f else 0 for s, f in zip(rows, forced)], np.int32)
-            constrained = [s.state == LIVE and s.constraint is not None and not f for s, f in zip(rows, forced)]
-            wanted = np.array([s.state == LIVE and s.logprobs for s in rows])
-            bitmask, _ = self._masks(rows, constrained, None if bucket else g)
-            with sharding.use_mesh(self.mesh):
-                chosen, self.caches[g] = decode_step(
-                    self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
-                    *row_settings(sampling, self._put), self._put(forced), self._put(forced_next),
-                    self._put(np.array(constrained)), bitmask, self._put(wanted),
-                    jnp.asarray(np.array(picked, np.int32)) if bucket else None)
-            self.keys[g] = chosen.keys
+            picked = idx + [n] * (width - len(idx)) if self.buckets else list(range(n))  # n: a padding row
+            chosen, wanted = self._dispatch(g, picked)
             nxt, lp, ids, top = chosen.tokens, chosen.logprob, chosen.top_ids, chosen.top_logprobs
             at = [j for j, i in enumerate(picked) if i < n and self.slots[first + i].state == LIVE]
             pending.append(([first + picked[j] for j in at], at, nxt, (lp, ids, top) if wanted.any() else None))
@@ -1026,6 +1010,70 @@ class Engine:
                 self.counters["tokens_generated"] += not o.prompt
         self.counters["decode_steps"] += 1
         return out
+
+    def _dispatch(self, g: int, picked: list[int]):
+        """Runs group `g`'s jitted decode step over its rows `picked` (a bucket: row indices in the group, the group's
+        size for a padding row; without buckets every row) -> (`Chosen`, which rows asked for log-probabilities)."""
+        first, n = self.groups[g]
+        rows = [self.slots[first + i] if i < n else Slot() for i in picked]
+        mask = np.array([s.state == LIVE for s in rows])
+        tokens = np.array([s.last if s.state == LIVE else self.cfg.pad_id for s in rows], np.int32)
+        sampling = [s.sampling if s.state == LIVE else Sampling(0.0) for s in rows]
+        forced = np.array([s.state == LIVE and bool(s.forced) for s in rows])
+        forced_next = np.array([s.forced[0] if f else 0 for s, f in zip(rows, forced)], np.int32)
+        constrained = [s.state == LIVE and s.constraint is not None and not f for s, f in zip(rows, forced)]
+        wanted = np.array([s.state == LIVE and s.logprobs for s in rows])
+        bitmask, _ = self._masks(rows, constrained, None if self.buckets else g)
+        with sharding.use_mesh(self.mesh):
+            chosen, self.caches[g] = decode_step(
+                self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
+                *row_settings(sampling, self._put), self._put(forced), self._put(forced_next),
+                self._put(np.array(constrained)), bitmask, self._put(wanted),
+                jnp.asarray(np.array(picked, np.int32)) if self.buckets else None)
+        self.keys[g] = chosen.keys
+        return chosen, wanted
+
+    def warm_up(self) -> dict:
+        """Compiles what serving runs before the first request comes (each program compiles in 1-3 s on a 2-core
+        CPU, which a request would otherwise wait): a batched prefill of every shape the scheduler forms (rows, a
+        power of two up to what the token budget takes, times each chunk width), each request's insert and first
+        draw, and every decode bucket of every group (rows that are all padding: nothing changes). The engine is
+        left as it was: slots free, pages back, counters and snapshots untouched. Returns the programs run and the
+        seconds taken."""
+        t0 = time.monotonic()
+        counters, peak, keep = dict(self.counters), self.peak_live, self.prefix_snapshots
+        self.prefix_snapshots = 0  # warm-up prompts keep no snapshot
+        runs = 0
+        try:
+            widths = sorted({chunk_size(t, self.prefill_chunk) for t in range(1, self.prefill_chunk + 1, PROMPT_BUCKET)})
+            for width in widths:
+                room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
+                for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)}):  # start_prefill's rows
+                    n = min(rows, room, self.open_slots())
+                    if n < 1 or (self.paged and n * self.admission_pages(width, 1) + self.headroom > self.free_pages()):
+                        break
+                    prompts = [Waiting([self.cfg.pad_id] * width, [Sampling(0.0)], max_tokens=1) for _ in range(n)]
+                    if self.prefill_batch > 1:
+                        job = self.start_prefill(prompts)
+                        while (admitted := self.advance(job)) is None:
+                            pass
+                    else:
+                        admitted = [self.admit_choices(w.prompt, w.samplings, max_tokens=1) for w in prompts]
+                    for a in admitted:
+                        for slot in a.slots:
+                            self.free(slot)
+                    runs += 1
+            for g, (_, n) in enumerate(self.groups):
+                buckets = sorted({min(1 << k, n) for k in range(n.bit_length() + 1)}) if self.buckets else [n]
+                for width in buckets:
+                    chosen, _ = self._dispatch(g, [n] * width if self.buckets else list(range(n)))
+                    jax.block_until_ready(chosen.tokens)
+                    runs += 1
+        finally:
+            self.counters.clear()
+            self.counters.update(counters)
+            self.peak_live, self.prefix_snapshots = peak, keep
+        return {"programs": runs, "seconds": round(time.monotonic() - t0, 1)}
 
     def key_of(self, slot: int) -> np.ndarray:
         """The slot's sampling key `[2]` (what its next draw splits), for a request to go on from after preemption."""

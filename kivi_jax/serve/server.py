@@ -44,7 +44,14 @@ class Server:
     capacity: dict
 
     def describe(self) -> str:
-        """The line printed at start: slots, bytes a slot, and what the full-precision cache would fit."""
+        """The line printed at start: slots, bytes a slot, and what the full-precision cache would fit (and what the
+        warm-up compiled)."""
+        warm = self.capacity.get("warmup")
+        tail = "" if warm is None else (f"; warmed up: {warm['programs']} programs run (compiled) in "
+                                        f"{warm['seconds']} s before serving")
+        return self._describe() + tail
+
+    def _describe(self) -> str:
         from kivi_jax.bench import format_bytes
 
         e, c = self.engine, self.capacity
@@ -80,7 +87,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
-                 prefix_snapshots: int = 0) -> Server:
+                 prefix_snapshots: int = 0, warmup: bool = False) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -89,7 +96,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     2048 elsewhere, `engine.default_prefill_tokens`). `paged`: a paged cache (docs/design.md §12): `cache_budget`
     sizes its rows and pool together (`engine.paged_capacity`), `slots` its rows; `grow`: a request's pages are
     taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
-    prompt prefixes kept for sharing (paged)."""
+    prompt prefixes kept for sharing (paged). `warmup`: the engine compiles its prefill shapes and decode buckets
+    before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -109,6 +117,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                         attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
                         prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow,
                         prefix_snapshots=prefix_snapshots)
+        if warmup:
+            capacity["warmup"] = engine.warm_up()
         scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
         app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
         return Server(engine, scheduler, app, model_name, capacity)
@@ -131,6 +141,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
                     prefill_batch=prefill_batch, prefill_tokens=prefill_tokens)
+    if warmup:
+        capacity["warmup"] = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
     app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
     return Server(engine, scheduler, app, model_name, capacity)
