@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from kivi_jax import layout, quant, sharding
 
 BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
+DEQUANTIZE_ROWS = 64  # query rows (new tokens x query heads a kv head) from which stored blocks are dequantized
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -453,15 +454,21 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     if num_sinks:
         state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap)
 
+    # Many query rows (a prefill chunk's): each block is dequantized once and dotted densely; few (a decode step's):
+    # the scales fold into q and p, which costs rows x groups instead of the block's tokens x head_dim
+    dense = rows.q.shape[2] >= DEQUANTIZE_ROWS and not int8_dots
+
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)
         vb = v_store.token_slice(start, block, layer)
         pos = start + jnp.arange(block)
         valid = stored_mask(pos, jnp.maximum(first_new, num_sinks), main_end, rows, window)
-        if inv_freq is None:
+        if inv_freq is None and not dense:
             scores = quantized_scores(rows.q, kb, int8_dots)
         else:
             scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, rotated(dequantized(kb), pos[None, :], inv_freq))
+        if dense:
+            return state.update(masked(scores, valid, softcap), lambda p: dense_values(p, dequantized(vb)))
         int8_chunk = k_store.group_size if int8_dots else 0
         return state.update(masked(scores, valid, softcap), lambda p: quantized_values(p, vb, int8_chunk))
 
