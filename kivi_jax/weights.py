@@ -127,18 +127,38 @@ class QuantizedMatrix:
 
     def native_reason(self, rows: int, x_dtype) -> str | None:
         """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
-        if self.impl == "xla":
-            return "impl='xla'"
-        from kivi_jax import native
-        from kivi_jax.mesh_scope import active_mesh
         from kivi_jax.native import matmul
 
-        reason = matmul.unsupported(self, rows, x_dtype)
-        if reason is None and active_mesh() is not None:
-            reason = "a device mesh is active (XLA partitions the dot)"
-        if reason is None and not native.available():
-            reason = f"the native kernels are unavailable ({native.error()})"
-        return reason
+        return native_reason(self.impl, lambda: matmul.unsupported(self, rows, x_dtype))
+
+
+def native_reason(impl: str, unsupported) -> str | None:
+    """Why a weight matrix of `impl` cannot take its native kernel (`unsupported()`: the kernel's own reason about the
+    shapes and dtypes, or None), or None when it may: not with `impl='xla'`, a device mesh or no native build."""
+    if impl == "xla":
+        return "impl='xla'"
+    from kivi_jax import native
+    from kivi_jax.mesh_scope import active_mesh
+
+    reason = unsupported()
+    if reason is None and active_mesh() is not None:
+        reason = "a device mesh is active (XLA partitions the dot)"
+    if reason is None and not native.available():
+        reason = f"the native kernels are unavailable ({native.error()})"
+    return reason
+
+
+def native_or_xla(ws: tuple, rows: int, x_dtype, cpu, xla):
+    """`cpu()` (the native kernel) when every matrix of `ws` may take it for `rows` activation rows, chosen when
+    lowering (`lax.platform_dependent`: a program lowered for a GPU or TPU gets `xla()`); else `xla()`, with a
+    warning for a matrix whose `impl='native'` could not be honoured."""
+    reasons = [w.native_reason(rows, x_dtype) for w in ws]
+    if any(reasons):
+        for w, why in zip(ws, reasons):
+            if w.impl == "native" and why:
+                warnings.warn(f"weights impl 'native': {why}; using the XLA path", stacklevel=5)
+        return xla()
+    return jax.lax.platform_dependent(cpu=cpu, default=xla)
 
 
 def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...]:
@@ -157,22 +177,15 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
         return tuple(jnp.einsum("...c,rc->...r", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
                      for w in ws)  # XLA fuses each dequantization into its dot's operand
 
-    reasons = [w.native_reason(n, x.dtype) for w in ws]
-    if any(reasons):
-        for w, why in zip(ws, reasons):
-            if w.impl == "native" and why:
-                warnings.warn(f"weights impl 'native': {why}; using the XLA path", stacklevel=4)
-        return xla()
-    from kivi_jax.native import matmul
-
     def cpu():
+        from kivi_jax.native import matmul
+
         flat = x.reshape(n, cols)
         parts = [matmul.qmatmul(flat[i : i + matmul.MAX_ROWS], *ws) for i in range(0, n, matmul.MAX_ROWS)]
         ys = [p[0] for p in zip(*parts)] if len(parts) == 1 else [jnp.concatenate(p) for p in zip(*parts)]
         return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
 
-    # chosen when lowering: the kernel on the CPU, XLA's dot when the same program is lowered for a GPU or TPU
-    return jax.lax.platform_dependent(cpu=cpu, default=xla)
+    return native_or_xla(ws, n, x.dtype, cpu, xla)
 
 
 @struct.dataclass
@@ -215,21 +228,16 @@ class FloatMatrix:
 
     def native_reason(self, rows: int, x_dtype) -> str | None:
         """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
-        from kivi_jax import native
-        from kivi_jax.mesh_scope import active_mesh
         from kivi_jax.native import matmul
 
-        if self.impl == "xla":
-            return "impl='xla'"
-        if rows > matmul.SPLIT_ROWS:
-            return f"{rows} activation rows is more than the native path's {matmul.SPLIT_ROWS}"
-        if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(self.w.dtype) != jnp.float32:
-            return "the kernel computes float32 weights and activations"
-        if active_mesh() is not None:
-            return "a device mesh is active (XLA partitions the dot)"
-        if not native.available():
-            return f"the native kernels are unavailable ({native.error()})"
-        return None
+        def unsupported():
+            if rows > matmul.SPLIT_ROWS:
+                return f"{rows} activation rows is more than the native path's {matmul.SPLIT_ROWS}"
+            if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(self.w.dtype) != jnp.float32:
+                return "the kernel computes float32 weights and activations"
+            return None
+
+        return native_reason(self.impl, unsupported)
 
 
 def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...]:
@@ -245,19 +253,13 @@ def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Arra
                       jnp.einsum("...c,rc->...r", x, w._matrix(), preferred_element_type=out_dtype)).astype(out_dtype)
                      for w in ws)
 
-    reasons = [w.native_reason(n, x.dtype) for w in ws]
-    if any(reasons):
-        for w, why in zip(ws, reasons):
-            if w.impl == "native" and why:
-                warnings.warn(f"weights impl 'native': {why}; using the XLA path", stacklevel=4)
-        return xla()
-    from kivi_jax.native import matmul
-
     def cpu():
+        from kivi_jax.native import matmul
+
         ys = matmul.fmatmul(x.reshape(n, cols), *ws)
         return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
 
-    return jax.lax.platform_dependent(cpu=cpu, default=xla)
+    return native_or_xla(ws, n, x.dtype, cpu, xla)
 
 
 def native_view(params, impl: str = "auto"):
