@@ -148,6 +148,9 @@ def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache
     lengths = np.asarray(lengths, np.int32)
     put = _placer(mesh)
     last = put(np.zeros((batch, params.config.vocab_size), np.float32))
+    if mesh is None:  # committed to its device, as every chunk's outputs are: else the first call of a shape
+        # compiles a program of its own (jit keys on it), and a prompt's later chunks another
+        last, cache = jax.device_put((last, cache), jax.devices()[0])
     for c, size in enumerate(widths):
         start = c * plan.width
         num_new = np.clip(lengths - start, 0, size).astype(np.int32)

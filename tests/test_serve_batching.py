@@ -184,7 +184,8 @@ def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):
     as it was (slots free, every page back, counters untouched) and its answers equal a cold engine's."""
     kw = dict(slots=6, max_length=MAX_LENGTH, prefill_chunk=64, decode_group=3 if not paged else None,
               pages=6 * (MAX_LENGTH // 16) if paged else None)
-    cold, warm = Engine(model.params, SPEC, **kw), Engine(model.params, SPEC, **kw)
+    params = jax.device_put(model.params, jax.devices()[0])  # committed, as the default model's load gives them
+    cold, warm = Engine(params, SPEC, **kw), Engine(params, SPEC, **kw)
     before = dict(warm.counters)
     done = warm.warm_up()
     assert done["programs"] > 0 and warm.count("free") == 6 and warm.counters == before
@@ -209,3 +210,18 @@ def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):
 
     assert serve(warm) == serve(cold)
     assert [f._cache_size() for f in jitted] == sizes
+
+
+def test_a_prompts_later_chunks_reuse_its_first_chunks_program(model):
+    """A prompt's second chunk runs the program its first chunk compiled: the first call's inputs are committed to
+    the device as every chunk's outputs are (jit keys on that), so warming up one chunk of a width covers a long
+    prompt's chunks of that width too."""
+    spec, width = "k2v2-g8-r32", 96  # a shape no other test of this module compiles
+    params = jax.device_put(model.params, jax.devices()[0])  # committed, as the default model's load gives them
+    fresh = lambda: kivi_jax.make_cache(spec, params.config, 1, MAX_LENGTH)  # noqa: E731
+    one = np.asarray(prompts(5, [width])[0], np.int32)[None]
+    runtime.prefill(params, one, np.array([width]), fresh(), chunk=width)
+    compiled = runtime.prefill_chunk._cache_size()
+    two = np.asarray(prompts(6, [2 * width])[0], np.int32)[None]
+    runtime.prefill(params, two, np.array([2 * width]), fresh(), chunk=width)
+    assert runtime.prefill_chunk._cache_size() == compiled
