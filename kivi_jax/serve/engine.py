@@ -667,8 +667,10 @@ class Engine:
         return jnp.asarray(x) if self.mesh is None else sharding.put_batch(x, self.mesh)
 
     def _table(self, tables: np.ndarray):
-        """The host's block tables `[slots, pages a sequence]` on the device(s): whole on every device on a mesh."""
-        return tables if self.mesh is None else sharding.put(np.asarray(tables, np.int32), self.mesh)
+        """The host's block tables `[slots, pages a sequence]` on the device(s): whole on every device on a mesh;
+        committed to the device otherwise, as the cache leaf it replaces is (a jitted step keys on that)."""
+        tables = np.asarray(tables, np.int32)
+        return jax.device_put(tables, jax.devices()[0]) if self.mesh is None else sharding.put(tables, self.mesh)
 
     def fresh_cache(self):
         return make_cache(self.spec, self.cfg, 1, self.max_length, self.dtype, self.impl, mesh=self.mesh)
