@@ -12,10 +12,9 @@ import numpy as np
 
 from kivi_jax.native import build
 
-MAX_ROWS = 32  # activation rows one kernel call takes
-SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS (each reads the weights once; a
-# 64-row decode step through two calls beat XLA's dequantize-then-dot, docs/serving.md); longer inputs (prefill
-# chunks) use XLA's dot
+MAX_ROWS = 64  # activation rows one kernel call takes (past 8 it dequantizes each weight row once for all of them)
+SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS; longer inputs (prefill chunks) use
+# XLA's dot
 BITS = (4, 8)
 
 

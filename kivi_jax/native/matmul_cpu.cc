@@ -13,7 +13,7 @@
 // intra-op thread pool; an item walks its rows for every tile of up to TILE activation rows, the tiles after the
 // first reading the item's codes from cache. The stacked [layers, R, ...] leaves are read in place at the layer index.
 
-#include "simd.h"
+#include "gemm.h"
 
 namespace {
 
@@ -278,11 +278,63 @@ inline void prefetch_rows(const QArgs& a, int64_t r, int n, int64_t row_bytes, i
   }
 }
 
+// Weight row r dequantized into out[0, C): (code - offset) * scale + min in float32, every group; 4-bit groups
+// decoded a vector of low and a vector of high nibbles at a time, the columns past a group's whole vectors one by one.
+template <int BITS>
+void decoded_row(const QArgs& a, int64_t r, float* out) {
+  const int64_t G = a.G, NG = a.NG, group_bytes = G * BITS / 8, half = G / 2;
+  const int64_t steps = BITS == 4 ? half / W : G / W;
+  const uint8_t* row = a.codes + r * (a.C * BITS / 8);
+  for (int64_t g = 0; g < NG; ++g) {
+    const float sc = scalar_at(a.scale, r * NG + g, a.st);
+    const float mf = (a.mn ? scalar_at(a.mn, r * NG + g, a.st) : 0.0f) - a.offset * sc;
+    const vf s = vsplat(sc), m = vsplat(mf);
+    const uint8_t* cg = row + g * group_bytes;
+    float* o = out + g * G;
+    for (int64_t k = 0; k < steps; ++k) {
+      vf lo, hi;
+      decode<BITS>(cg + k * W, lo, hi);
+      vstore(o + k * W, lo * s + m);
+      if (BITS == 4) vstore(o + half + k * W, hi * s + m);
+    }
+    for (int64_t j = steps * W; j < (BITS == 4 ? half : G); ++j) {
+      if (BITS == 4) {
+        o[j] = (cg[j] & 0xF) * sc + mf;
+        o[j + half] = (cg[j] >> 4) * sc + mf;
+      } else {
+        o[j] = (float)(int8_t)cg[j] * sc + mf;
+      }
+    }
+  }
+}
+
 // Rows [r0, r1) of y for every activation row.
+// - Up to TILE activation rows (a small decode step): each weight row is dotted with the tile as its codes are read
+//   (`row_dots`: decoding costs one pass however few the rows).
+// - More: DOT_NR weight rows at a time are dequantized once into an L1 buffer, then every DOT_MR activation rows are
+//   dotted with them by gemm.h's `dot_tile`, so decoding is paid once a call and the arithmetic is register-blocked
+//   (row_dots re-decoded each weight row for every tile of 8 activation rows).
 void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = a.C * bits / 8, scale_bytes = a.NG * (a.st == F32 ? 4 : 2);
+  if (a.N > TILE) {
+    thread_local std::vector<float> rows;
+    rows.resize(DOT_NR * a.C);
+    for (int64_t r = r0; r < r1; r += DOT_NR) {
+      const int nr = (int)std::min<int64_t>(DOT_NR, r1 - r);
+      prefetch_rows(a, r + PREFETCH_ROWS, nr, row_bytes, scale_bytes);
+      for (int i = 0; i < nr; ++i) {
+        if (bits == 4) decoded_row<4>(a, r + i, rows.data() + i * a.C);
+        else decoded_row<8>(a, r + i, rows.data() + i * a.C);
+      }
+      for (int64_t n = 0; n < a.N; n += DOT_MR) {
+        const int mr = (int)std::min<int64_t>(DOT_MR, a.N - n);
+        dot_kernel(mr, nr)(a.x + n * a.C, a.C, rows.data(), a.C, a.C, a.y + n * a.R + r, a.R);
+      }
+    }
+    return;
+  }
   float dots[TILE];
   const bool mins = a.mn || a.offset;
-  const int64_t row_bytes = a.C * bits / 8, scale_bytes = a.NG * (a.st == F32 ? 4 : 2);
   for (int64_t n0 = 0; n0 < a.N; n0 += TILE) {
     const int nt = (int)std::min<int64_t>(TILE, a.N - n0);
     const RowFn fn = row_kernel(bits, a.G, mins, nt);
