@@ -61,9 +61,9 @@ def _log(line: str) -> None:
 
 
 def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, response_format: str = "text",
-               ignore_eos: bool = False) -> dict:
+               ignore_eos: bool = False, on_token=None) -> dict:
     """One streaming chat request; returns its send time, chunk arrival times and output tokens. `ignore_eos`: the
-    answer runs to max_tokens (vLLM's option of that name)."""
+    answer runs to max_tokens (vLLM's option of that name); `on_token(n)` is called as the n-th chunk arrives."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
@@ -87,6 +87,8 @@ def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, respo
                 n = len(c.get("token_ids") or []) or (1 if c.get("delta", {}).get("content") else 0)
                 if n:
                     arrivals.append(time.perf_counter())
+                    if on_token is not None:
+                        on_token(len(arrivals))
     return {"status": status, "sent": t0, "arrivals": arrivals, "tokens": tokens, "end": time.perf_counter()}
 
 
