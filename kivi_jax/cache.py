@@ -22,6 +22,7 @@ from flax import struct
 from kivi_jax import attention, layout, paged, quant, rotation, sharding
 from kivi_jax.cache8 import Dense8Cache, dense8_cache_bytes
 from kivi_jax.config import Dense8Config, KIVIConfig, parse_cache_spec
+from kivi_jax.mesh_scope import active_mesh
 from kivi_jax.models.config import ModelConfig
 
 from kivi_jax.models.protocol import BAD_TOKEN, PAST_CAPACITY, SCALE_OVERFLOW, CacheCapacityError  # noqa: F401
@@ -664,6 +665,8 @@ def tokens_at(pos: jax.Array, ring: jax.Array, new: jax.Array, length: jax.Array
     length`: slot `pos % R`; with `layer`, the stacked rings `[layers, ...]` read at it) or the new tokens `new
     [batch, kv_heads, T, head_dim]` (`pos >= length`). Positions outside both give some entry of them (never
     written)."""
+    if layer is not None and active_mesh() is not None:
+        ring, layer = ring[layer], None  # SPMD splits a slice by heads, but gathers the heads of an indexed read
     r, tokens = ring.shape[-2], new.shape[2]
     is_new = (pos >= length[:, None])[:, None, :, None]
     # two gathers of the n rows and a select (concatenating ring and new tokens first copied the whole ring)

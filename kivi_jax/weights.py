@@ -264,7 +264,13 @@ def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Arra
 
 def native_view(params, impl: str = "auto"):
     """`params` with every float32 projection and table seen as a `FloatMatrix` (a view, no copy: for use inside a
-    jitted decode step), so that the native CPU kernel computes their matmuls; other params as they are."""
+    jitted decode step), so that the native CPU kernel computes their matmuls; other params as they are. Under a
+    device mesh `params` as they are: XLA partitions the dots there, and reads each layer's slice of a sharded stack
+    through the model's scan (a view indexed at the layer would gather the stack across devices)."""
+    from kivi_jax.mesh_scope import active_mesh
+
+    if active_mesh() is not None:
+        return params
     new = {name: FloatMatrix(w, transposed=not table, impl=impl) for name, w, table in _quantizable(params)
            if not is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32}
     return replace_leaves(params, new) if new else params

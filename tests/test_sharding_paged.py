@@ -120,7 +120,8 @@ def _serve(params, spec: str, mesh: str | None) -> dict:
                          for name, x in ((jax.tree_util.keystr(p, simple=True, separator="."), x)
                                          for p, x in jax.tree_util.tree_flatten_with_path(cache)[0])]
         out["pool_shard_elements"] = min(int(np.prod(x["shard"])) for x in out["leaves"] if x["pool"])
-        out["collectives"] = _collectives(runtime.decode_step.lower(*calls[-1]).compile().as_text())
+        with sharding.use_mesh(eng.mesh):  # as the engine traces it
+            out["collectives"] = _collectives(runtime.decode_step.lower(*calls[-1]).compile().as_text())
     engine.decode_step = runtime.decode_step
     for slot in list(map(int, streams)):
         eng.finish(slot, hold=False)
