@@ -218,13 +218,15 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     bar, progress = _progress_bar(n_specs * args.decode, show=not args.quiet)
     try:
         results = evaluate.evaluate(model.params, windows, args.prefill, specs, args.attention_impl, progress,
-                                    mesh=args.mesh_obj)
+                                    mesh=args.mesh_obj,
+                                    prefill_precision=getattr(args, "prefill_precision", "float32"))
     finally:
         bar.close()
     header = {"model": args.model, "text": text_name, "text_tokens": int(len(tokens)),
               "window_starts": evaluate.window_starts(len(tokens), args.prefill, args.decode, args.windows, args.split),
               "split": args.split, "prefill": args.prefill, "decode": args.decode, "windows": args.windows,
-              "head_dim": model.params.config.head_dim, "num_layers": model.params.config.num_layers}
+              "head_dim": model.params.config.head_dim, "num_layers": model.params.config.num_layers,
+              "prefill_precision": getattr(args, "prefill_precision", "float32")}
     return header, results
 
 
@@ -412,6 +414,9 @@ def add_eval_parser(sub) -> None:
     _add_protocol_args(p)
     p.add_argument("--cache", default=EVAL_DEFAULT_CACHES,
                    help=f"comma-separated cache specs (default {EVAL_DEFAULT_CACHES}); the grammar is below")
+    p.add_argument("--prefill-precision", choices=("float32", "bfloat16"), default="float32",
+                   help="the operands of the prefill's matmuls for every cache but the reference full (default "
+                        "float32; bfloat16: as `serve --prefill-precision bfloat16` prefills)")
     p.set_defaults(func=cmd_eval_ppl)
 
     a = esub.add_parser(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import quant, rotation, runtime, sharding
+from kivi_jax import quant, rotation, runtime, sharding, weights
 from kivi_jax.cache import make_cache
 from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.attention import causal_attention
@@ -137,7 +137,7 @@ def _decode_steps(params: Params, cache, inputs: jax.Array, targets: jax.Array, 
 
 def teacher_forced(
     params: Params, windows, prefill: int, spec, ref_logprobs=None, impl: str = "auto",
-    progress: Callable[[int], None] | None = None, mesh=None,
+    progress: Callable[[int], None] | None = None, mesh=None, prefill_precision: str = "float32",
 ) -> dict:
     """Runs one cache spec over `windows [windows, prefill + decode + 1]`.
 
@@ -145,7 +145,8 @@ def teacher_forced(
     of an earlier run: step-major `[decode, windows, vocab]`), this run's `logprobs` when it had no reference, and
     timings: `compile_seconds`, `prefill_seconds`, `decode_seconds` (compilation excluded from both).
     `progress(steps)` is called as decode steps complete. `mesh` (a Mesh or 'data=2,model=4'): params and caches
-    sharded, the windows split over the data axis.
+    sharded, the windows split over the data axis. `prefill_precision`: the operands of the prefill's matmuls
+    (`weights.prefill_view`; the decode steps stay exact).
     """
     spec = parse_cache_spec(spec)
     params = rotation.prepare_params(params, spec)
@@ -172,14 +173,15 @@ def teacher_forced(
     prompts = windows[:, :prefill]
     prompts = jnp.asarray(prompts) if mesh is None else sharding.put_batch(prompts, mesh)
     with sharding.use_mesh(mesh):
-        run_prefill = _prefill.lower(params, prompts, spec, max_tokens, impl, mesh).compile()
+        prefill_params = weights.prefill_view(params, prefill_precision)
+        run_prefill = _prefill.lower(prefill_params, prompts, spec, max_tokens, impl, mesh).compile()
         cache_shape = jax.eval_shape(lambda p, w: _prefill(p, w, spec, max_tokens, impl, mesh), params, prompts)
         if mesh is not None:
             cache_shape = sharding.abstract_cache(cache_shape, mesh)
         run_steps = _decode_steps.lower(params, cache_shape, put(inputs[:chunk]), put(targets[:chunk]),
                                         ref_at(0)).compile()
     t1 = time.perf_counter()
-    cache = jax.block_until_ready(run_prefill(params, prompts))
+    cache = jax.block_until_ready(run_prefill(prefill_params, prompts))
     t2 = time.perf_counter()
     _, out = score_steps(params, cache, inputs, targets, ref_logprobs, progress, run_steps, put)
     t3 = time.perf_counter()
@@ -211,16 +213,18 @@ def score_steps(params: Params, cache, inputs, targets, ref_logprobs=None,
 
 def evaluate(
     params: Params, windows, prefill: int, specs, impl: str = "auto",
-    progress: Callable[[str, int], None] | None = None, mesh=None,
+    progress: Callable[[str, int], None] | None = None, mesh=None, prefill_precision: str = "float32",
 ) -> dict:
     """Mean NLL, perplexity, KL vs full, top-1 agreement and decode throughput for each spec (`full` always included,
-    first). `progress(spec_name, steps)` is called as decode steps complete; `mesh` as for `teacher_forced`."""
+    first). `progress(spec_name, steps)` is called as decode steps complete; `mesh` as for `teacher_forced`.
+    `prefill_precision` applies to every spec but the reference `full`, whose prefill stays exact."""
     names = list(dict.fromkeys(spec_name(parse_cache_spec(s)) for s in specs))
     names = [REFERENCE] + [n for n in names if not is_reference(n)]
     results, ref = {}, None
     for name in names:
         tick = None if progress is None else functools.partial(progress, name)
-        out = teacher_forced(params, windows, prefill, name, ref, impl, tick, mesh)
+        out = teacher_forced(params, windows, prefill, name, ref, impl, tick, mesh,
+                             "float32" if is_reference(name) else prefill_precision)
         if is_reference(name):
             ref = out["logprobs"]
         tokens = out["nll"].size

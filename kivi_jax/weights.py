@@ -65,6 +65,7 @@ class QuantizedMatrix:
     offset: int = struct.field(pytree_node=False, default=0)  # subtracted from 4-bit codes (Q4_0, int4s: 8)
     transposed: bool = struct.field(pytree_node=False, default=True)  # a projection W [in, out], M = W.T
     impl: str = struct.field(pytree_node=False, default="auto")
+    dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`prefill_view`)
 
     # -- shapes -------------------------------------------------------------------------------------------------------
 
@@ -129,7 +130,21 @@ class QuantizedMatrix:
         """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
         from kivi_jax.native import matmul
 
-        return native_reason(self.impl, lambda: matmul.unsupported(self, rows, x_dtype))
+        return native_reason(self.impl, lambda: bf16_reason(self.dot_dtype) or matmul.unsupported(self, rows, x_dtype))
+
+
+def bf16_reason(dot_dtype: str) -> str | None:
+    """The native kernels compute float32: a matrix whose dot reads bfloat16 operands takes XLA's dot."""
+    return None if dot_dtype == "float32" else f"its dot reads {dot_dtype} operands (prefill_view)"
+
+
+def xla_dot(x: jax.Array, w: jax.Array, spec: str, dot_dtype: str, out_dtype) -> jax.Array:
+    """XLA's `einsum(spec, x, w)` in `out_dtype`, the operands first rounded to `dot_dtype` (float32 sums whatever it
+    is: on a CPU with AMX or AVX512-BF16 a bfloat16 dot of a prefill chunk runs several times a float32 one's rate)."""
+    if dot_dtype != "float32":
+        x, w = x.astype(dot_dtype), w.astype(dot_dtype)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32 if dot_dtype != "float32" else out_dtype
+                      ).astype(out_dtype)
 
 
 def native_reason(impl: str, unsupported) -> str | None:
@@ -173,9 +188,9 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
             raise ValueError(f"x has {cols} columns but a matrix ({w.fmt}) has {w.num_cols}")
     n = math.prod(lead)
 
-    def xla():
-        return tuple(jnp.einsum("...c,rc->...r", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
-                     for w in ws)  # XLA fuses each dequantization into its dot's operand
+    def xla():  # XLA fuses each dequantization into its dot's operand
+        return tuple(xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
+                             w.dot_dtype, out_dtype) for w in ws)
 
     def cpu():
         from kivi_jax.native import matmul
@@ -199,6 +214,7 @@ class FloatMatrix:
     layer: jax.Array | None = None
     transposed: bool = struct.field(pytree_node=False, default=True)
     impl: str = struct.field(pytree_node=False, default="auto")
+    dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`prefill_view`)
 
     @property
     def num_rows(self) -> int:
@@ -231,6 +247,8 @@ class FloatMatrix:
         from kivi_jax.native import matmul
 
         def unsupported():
+            if bf16_reason(self.dot_dtype):
+                return bf16_reason(self.dot_dtype)
             if rows > matmul.SPLIT_ROWS:
                 return f"{rows} activation rows is more than the native path's {matmul.SPLIT_ROWS}"
             if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(self.w.dtype) != jnp.float32:
@@ -249,9 +267,8 @@ def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Arra
     n = math.prod(lead)
 
     def xla():
-        return tuple((x @ w._matrix() if w.transposed else
-                      jnp.einsum("...c,rc->...r", x, w._matrix(), preferred_element_type=out_dtype)).astype(out_dtype)
-                     for w in ws)
+        return tuple(xla_dot(x, w._matrix(), "...c,co->...o" if w.transposed else "...c,rc->...r", w.dot_dtype,
+                             out_dtype) for w in ws)
 
     def cpu():
         from kivi_jax.native import matmul
@@ -274,6 +291,24 @@ def native_view(params, impl: str = "auto"):
     new = {name: FloatMatrix(w, transposed=not table, impl=impl) for name, w, table in _quantizable(params)
            if not is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32}
     return replace_leaves(params, new) if new else params
+
+
+PREFILL_PRECISIONS = ("float32", "bfloat16")
+
+
+def prefill_view(params, precision: str = "float32"):
+    """`params` whose projections and tables dot a prefill chunk with operands rounded to `precision` (float32
+    sums): 'float32' returns them as they are; 'bfloat16' shows float32 weights as `FloatMatrix` and quantized ones
+    as themselves with `dot_dtype='bfloat16'` (views: nothing copied). An approximation, for CPUs whose bfloat16
+    dot is fast (AMX, AVX512-BF16): docs/serving.md measures what it changes."""
+    if precision not in PREFILL_PRECISIONS:
+        raise ValueError(f"prefill precision {precision!r} is not one of {', '.join(PREFILL_PRECISIONS)}")
+    if precision == "float32":
+        return params
+    new = {name: (w.replace(dot_dtype=precision) if is_quantized(w) else
+                  FloatMatrix(w, transposed=not table, dot_dtype=precision))
+           for name, w, table in _quantizable(params)}
+    return replace_leaves(params, new)
 
 
 def _unpack4(codes: jax.Array, group: int) -> jax.Array:

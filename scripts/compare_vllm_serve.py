@@ -70,7 +70,7 @@ def start(name: str, args, hf_dir: Path, port: int, logfile: Path) -> subprocess
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if name == "vllm":
         cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-               "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", str(args.max_length),
+               "--served-model-name", "smollm2", "--dtype", args.vllm_dtype, "--max-model-len", str(args.max_length),
                "--port", str(port), "--host", "127.0.0.1"]
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=2048, help="tokens a sequence may hold (default 2048)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--weights", default="float32", help="kivi-jax's --weights (default float32, as vLLM's)")
+    p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="vLLM's --dtype (default float32, as kivi-jax's weights; bfloat16 is vLLM's own default for "
+                        "this model)")
     p.add_argument("--kivi-flags", default="", help="more flags for kivi-jax serve, space-separated")
     p.add_argument("--check", type=int, default=3, help="greedy answers compared across servers (default 3)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -272,8 +275,9 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "kv_gib": args.kv_gib, "max_length": args.max_length, "weights": args.weights,
-            "kivi_flags": args.kivi_flags, "workloads": {w: {"clients": c, "prompt_tokens": lh, "new_tokens": n}
-                                                         for w, (c, lh, n) in workloads.items()},
+            "vllm_dtype": args.vllm_dtype, "kivi_flags": args.kivi_flags,
+            "workloads": {w: {"clients": c, "prompt_tokens": lh, "new_tokens": n}
+                          for w, (c, lh, n) in workloads.items()},
             "capacity": capacity, "rows": rows, "answers": checked, "answers_agree": agree}, indent=1) + "\n")
     return 0
 

@@ -225,3 +225,23 @@ def test_a_prompts_later_chunks_reuse_its_first_chunks_program(model):
     two = np.asarray(prompts(6, [2 * width])[0], np.int32)[None]
     runtime.prefill(params, two, np.array([2 * width]), fresh(), chunk=width)
     assert runtime.prefill_chunk._cache_size() == compiled
+
+
+def test_a_bfloat16_prefill_is_close_and_only_the_prefill(model):
+    """`prefill_precision='bfloat16'`: a prompt's prefill logits within bfloat16 rounding of the exact engine's (and
+    not equal: its matmuls did round), the decode steps of both engines run the same exact program, and another
+    precision is refused."""
+    prompt = prompts(21, [40])[0]
+    exact = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64)
+    rounded = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64,
+                     prefill_precision="bfloat16")
+    assert exact.prefill_params is exact.params and rounded.prefill_params is not rounded.params
+    want, got = (np.asarray(e.prefill(prompt)[0]) for e in (exact, rounded))
+    assert 0 < np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    steps = runtime.decode_step._cache_size()
+    for e in (exact, rounded):
+        e.admit(prompt, Sampling(0.0))
+        e.step()
+    assert runtime.decode_step._cache_size() - steps <= 1  # one decode program serves both
+    with pytest.raises(ValueError, match="prefill precision"):
+        Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_precision="float16")

@@ -174,6 +174,28 @@ def test_native_view_takes_float32_decode_steps_only():
     assert "kivi_jax_fmatmul" not in gpu and "dot_general" in gpu
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4-g32"])
+def test_prefill_view_dots_in_bfloat16_close_to_float32(fmt):
+    """`prefill_view(params, 'bfloat16')`: every projection and the head dot bfloat16 operands with float32 sums (the
+    lowered program's dots read bf16), never the float32 native kernels even for a short chunk, and the logits stay
+    within bfloat16 rounding of the float32 model's; 'float32' changes nothing; another precision is refused."""
+    params = init_params(tiny_cfg(), jax.random.PRNGKey(0))
+    params = params if fmt == "float32" else weights.convert_params(params, fmt)
+    view = weights.prefill_view(params, "bfloat16")
+    assert weights.prefill_view(params, "float32") is params
+    with pytest.raises(ValueError, match="prefill precision"):
+        weights.prefill_view(params, "float16")
+    f = jax.jit(lambda p, t: forward(p, t, kivi_jax.make_cache("kivi2", p.config, 2, 256))[0])
+    for n in (16, 96):  # 32 and 192 rows: a short chunk would otherwise take the native kernel
+        tokens = jnp.asarray(np.random.default_rng(n).integers(0, 96, (2, n)), jnp.int32)
+        text = f.lower(view, tokens).as_text()
+        assert "kivi_jax_fmatmul" not in text and "kivi_jax_qmatmul" not in text
+        assert len([l for l in text.splitlines() if "dot_general" in l and "xbf16>" in l]) >= 6
+        got, want = np.asarray(f(view, tokens)), np.asarray(f(params, tokens))
+        assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+        assert np.abs(got - want).max() > 0  # the operands were rounded
+
+
 def tiny_cfg(**kw) -> LlamaConfig:
     base = dict(vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=32, tie_word_embeddings=True)

@@ -52,6 +52,10 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "costs; all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
+    p.add_argument("--prefill-precision", choices=("float32", "bfloat16"), default="float32",
+                   help="the operands of a prompt's prefill matmuls (default float32, exact); bfloat16 rounds them, "
+                        "float32 sums: 1.4-1.9x faster prefill on a CPU with AMX, no gain expected without AMX or "
+                        "AVX512-BF16 (docs/serving.md measures its speed and its loss); decode steps stay float32")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every prefill shape and decode bucket before serving (about 1-3 s each on a 2-core "
                         "CPU, which requests would otherwise wait; default: on for `serve`, off for `bench serve`)")
@@ -113,7 +117,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens,
                         paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
                         prefix_snapshots=getattr(args, "prefix_snapshots", 0),
-                        warmup=warmup if getattr(args, "warmup", None) is None else args.warmup)
+                        warmup=warmup if getattr(args, "warmup", None) is None else args.warmup,
+                        prefill_precision=getattr(args, "prefill_precision", "float32"))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

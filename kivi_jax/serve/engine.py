@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kivi_jax import rotation, sharding
+from kivi_jax import rotation, sharding, weights
 from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.decoder import Params
@@ -328,6 +328,7 @@ class Engine:
         pages: int | None = None,
         grow: bool = True,
         prefix_snapshots: int = 0,
+        prefill_precision: str = "float32",
     ):
         cfg = params.config
         if pages is not None and mesh is not None:  # heads split over model, every page on every device
@@ -369,6 +370,10 @@ class Engine:
         if mesh is not None:
             params = sharding.shard_params(params, mesh)
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
+        # A plain prompt's prefill dots with operands rounded to `prefill_precision` (weights.prefill_view); a scored
+        # prompt's and every decode step's stay exact
+        self.prefill_params = weights.prefill_view(params, prefill_precision)
+        self.prefill_precision = prefill_precision
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
         # Batched prefill: several prompts a call, rows x width within the token budget; on a mesh one at a time (a
         # one-sequence cache is whole on every data shard)
@@ -654,7 +659,8 @@ class Engine:
         cache = self.fresh_cache() if snap is None else jax.tree_util.tree_map(jnp.copy, snap.cache)
         rest = np.asarray([prompt[start:]], np.int32)  # its chunks past `start` are the prompt's own (`ChunkPlan`)
         taken = []
-        for c, (last, cache) in enumerate(prefill_steps(self.params, rest, np.asarray([rest.shape[1]]), cache, width)):
+        steps = prefill_steps(self.prefill_params, rest, np.asarray([rest.shape[1]]), cache, width)
+        for c, (last, cache) in enumerate(steps):
             end = start + (c + 1) * width
             if end < len(prompt):
                 taken.append((end, jax.tree_util.tree_map(jnp.copy, cache)))
@@ -680,7 +686,7 @@ class Engine:
         `[1, vocab]`, the cache)."""
         cache = self.fresh_cache() if cache is None else cache
         with sharding.use_mesh(self.mesh):
-            return prefill(self.params, np.asarray([tokens], np.int32), np.asarray([len(tokens)]), cache,
+            return prefill(self.prefill_params, np.asarray([tokens], np.int32), np.asarray([len(tokens)]), cache,
                            self.prefill_chunk, self.mesh)
 
     def _where(self, slot: int) -> tuple[int, int]:
@@ -918,7 +924,8 @@ class Engine:
             tokens[i, : len(r.prompt)] = r.prompt
             lengths[i] = len(r.prompt)
         cache = make_cache(self.spec, self.cfg, rows, self.max_length, self.dtype, self.impl)
-        return PrefillJob(requests, slots, rows, prefill_steps(self.params, tokens, lengths, cache, self.prefill_chunk),
+        return PrefillJob(requests, slots, rows, prefill_steps(self.prefill_params, tokens, lengths, cache,
+                                                               self.prefill_chunk),
                           chunks)
 
     def advance(self, job: PrefillJob) -> list[Admitted] | None:

@@ -87,7 +87,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
-                 prefix_snapshots: int = 0, warmup: bool = False) -> Server:
+                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32") -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -97,7 +97,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     sizes its rows and pool together (`engine.paged_capacity`), `slots` its rows; `grow`: a request's pages are
     taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
     prompt prefixes kept for sharing (paged). `warmup`: the engine compiles its prefill shapes and decode buckets
-    before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`)."""
+    before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`). `prefill_precision`:
+    'bfloat16' rounds a prompt's prefill matmul operands to bfloat16 (`weights.prefill_view`)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -116,7 +117,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
         engine = Engine(params, spec, slots=capacity["slots"], max_length=max_length, prefill_chunk=prefill_chunk,
                         attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
                         prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow,
-                        prefix_snapshots=prefix_snapshots)
+                        prefix_snapshots=prefix_snapshots, prefill_precision=prefill_precision)
         if warmup:
             capacity["warmup"] = engine.warm_up()
         scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
@@ -140,7 +141,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     capacity["slots"] = slots
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
-                    prefill_batch=prefill_batch, prefill_tokens=prefill_tokens)
+                    prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision)
     if warmup:
         capacity["warmup"] = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
