@@ -91,6 +91,47 @@ def compile_fast(request):
     yield
 
 
+MAPS_FILE = "/proc/self/maps"
+
+
+def memory_maps() -> int | None:
+    """How many memory mappings this process holds (None where /proc is not there)."""
+    try:
+        with open(MAPS_FILE, "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return None
+
+
+def max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+MAPS_CLEAR_AT = max_map_count() * 2 // 5
+
+
+@pytest.fixture(autouse=True)
+def compiled_programs_bounded():
+    """After a test, when this worker holds more than 2/5 of the kernel's memory-mapping limit, every compiled
+    program is dropped (`jax.clear_caches`). Each XLA:CPU executable maps about five regions of JIT code; a worker
+    running half the suite compiled enough to pass `vm.max_map_count` (65,530: measured 52,297 maps after three of
+    the serving files in one process), and LLVM then died inside a compile (SIGSEGV or SIGABRT in
+    `backend_compile_and_load`, late in a run, a test that passes alone and on rerun)."""
+    yield
+    maps = memory_maps()
+    if maps is not None and maps > MAPS_CLEAR_AT:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 def torch_threads():
     import torch
 
