@@ -263,3 +263,18 @@ def test_cli_eval_errors_json(tiny_dirs, text_file, capsys):
     assert set(got["per_layer"]) == {key for _, key in evaluate.ERROR_COLUMNS + evaluate.BEYOND_COLUMNS}
     assert all(len(v) == 3 for v in got["per_layer"].values())  # the tiny models have 3 layers
     assert got["summary"]["layers"] == 3
+
+
+def test_a_bfloat16_prefill_changes_the_cache_it_leaves_a_little_and_never_the_reference(params, windows, full_run):
+    """`prefill_precision='bfloat16'`: the reference `full` still prefills in float32 (its NLL is the float32 run's
+    to the bit), a KIVI spec's decode steps score a cache its rounded prefill left (its NLL moves, within bfloat16
+    rounding of the exact prefill's), and another precision is refused."""
+    spec = "k2v2-g8-r16-sf32"
+    exact = evaluate.evaluate(params, windows, PREFILL, [spec])
+    rounded = evaluate.evaluate(params, windows, PREFILL, [spec], prefill_precision="bfloat16")
+    np.testing.assert_array_equal(rounded["full"]["nll_per_window"], full_run["nll"].mean(axis=1))
+    np.testing.assert_array_equal(rounded["full"]["nll_per_window"], exact["full"]["nll_per_window"])
+    got, want = np.asarray(rounded[spec]["nll_per_window"]), np.asarray(exact[spec]["nll_per_window"])
+    assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    with pytest.raises(ValueError, match="prefill precision"):
+        evaluate.evaluate(params, windows, PREFILL, [spec], prefill_precision="float16")
