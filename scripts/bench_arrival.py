@@ -14,7 +14,6 @@ its arrival to its first token (p50, p99, max), and its time to first token (doc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -40,13 +39,11 @@ def pcts(xs: list[float]) -> dict:
 
 
 def run(model, args, chunk: int) -> dict:
-    import subprocess
-
     import httpx
 
     from kivi_jax.evaluate import default_text
     from kivi_jax.serve.loadtest import PROMPTS, stream_one
-    from lm_eval_serve import ROOT, free_port, wait_healthy
+    from lm_eval_serve import free_port, launch, stop
 
     text = default_text()
     ids = model.tokenizer(text[:40000])["input_ids"]
@@ -57,11 +54,8 @@ def run(model, args, chunk: int) -> dict:
     cmd = [sys.executable, "-m", "kivi_jax.cli", "serve", "--model", args.model, "--cache", args.cache,
            "--cache-budget", args.cache_budget, "--max-length", str(args.max_length), "--prefill-chunk", str(chunk),
            "--port", str(port), "--served-model-name", "m", *(["--paged"] if args.paged else [])]
-    logfile = Path(tempfile.mkdtemp()) / "serve.log"
-    proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=ROOT, start_new_session=True)
+    proc = launch(cmd, port, "kivi-jax serve", Path(tempfile.mkdtemp()) / "serve.log")
     try:
-        wait_healthy(proc, port, "kivi-jax serve", logfile)
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=3600) as http:  # the server warmed up; this warms the HTTP road
             stream_one(http, url, "m", PROMPTS[0], 4)
@@ -87,11 +81,7 @@ def run(model, args, chunk: int) -> dict:
         for t in threads:
             t.join()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     before = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:]) if steady <= a and b <= arrived]
     during = [g for r in results for g in gaps(r["arrivals"], arrived, first)]
     tokens = len(model.tokenizer.apply_chat_template([{"role": "user", "content": long_prompt}],
@@ -114,22 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import kivi_jax
-    from kivi_jax.bench import device_name
+    from sweep import sweep
 
-    model = kivi_jax.load(args.model, progress=False)  # its tokenizer (the server loads its own)
-    out = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), **{k: v for k, v in vars(args).items()
-                                                                           if k != "json"}, "results": []}
-    for chunk in args.chunks:
-        res = run(model, args, chunk)
-        print(json.dumps(res), file=sys.stderr, flush=True)
-        out["results"].append(res)
-    text = json.dumps(out, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
-    return 0
+    return sweep(args, args.chunks, run)
 
 
 if __name__ == "__main__":

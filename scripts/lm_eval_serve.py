@@ -184,10 +184,26 @@ def start_server(spec: str, model: str, port: int, slots: int, max_length: int, 
            "smollm2", "--max-queue", "256"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log(f"{spec}: {' '.join(cmd[3:])}")
+    return launch(cmd, port, f"kivi-jax serve --cache {spec}", logfile, env, timeout=900)
+
+
+def launch(cmd: list[str], port: int, name: str, logfile: Path, env: dict | None = None,
+           timeout: float = 1200) -> subprocess.Popen:
+    """The server `cmd` as a subprocess in its own session (no controlling terminal: nothing can stop it), run from
+    the repository root with its output in `logfile`, once it answers /health on `port` (`wait_healthy`)."""
     proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            cwd=ROOT, start_new_session=True)  # no controlling terminal: nothing can stop it
-    wait_healthy(proc, port, f"kivi-jax serve --cache {spec}", logfile, timeout=900)
+                            cwd=ROOT, start_new_session=True)
+    wait_healthy(proc, port, name, logfile, timeout)
     return proc
+
+
+def stop(proc: subprocess.Popen, grace: float = 60) -> None:
+    """Ends a server `launch` started: SIGTERM (it drains), then SIGKILL if it has not exited in `grace` s."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, name: str, logfile: Path, timeout: float = 1200) -> None:
