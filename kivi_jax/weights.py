@@ -13,9 +13,13 @@ out]` is held as `M = W.T` (rows are output units, `transposed=True`), an embedd
 | `int8` | int8 | a row | float32 scale (symmetric, per output channel) | any float model |
 | `int4-gG` | 4-bit | G (32/64/128) | float16 scale and min (asymmetric) | any float model |
 | `int4s-gG` | 4-bit, offset 8 | G | float16 scale (symmetric) | any float model |
+| `bf16` | bfloat16 (its bits, uint16) | a row | float32 scale, 1 | `weights='bfloat16'` under a float32 model |
 
 4-bit codes are two a byte in GGUF's layout: byte j of a group holds code j in its low nibble and code j + G/2 in its
-high one. GGUF blocks dequantize bit for bit as `gguf.quants.dequantize` does.
+high one. GGUF blocks dequantize bit for bit as `gguf.quants.dequantize` does. A `bf16` matrix is a float one rounded to
+bfloat16 whose dot reads bfloat16 operands and sums in float32 (`bf16_dot`): float32 activations, norms, attention
+and cache around bfloat16 weights, at AMX's rate on a CPU that has it; its codes are the bits as uint16 because
+XLA:CPU widens a whole bfloat16 stack to float32 to slice a layer out of it, and not an integer one.
 
 `matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.SPLIT_ROWS` rows of
 float32) the native kernel reads the codes once (`kivi_jax/native/matmul_cpu.cc`); otherwise (prefill chunks, GPU,
@@ -55,7 +59,7 @@ WEIGHTS_HELP = (
 class QuantizedMatrix:
     """`M [rows, cols]` (or a stack `[layers, rows, cols]`) quantized row by row in groups of `group` columns."""
 
-    codes: jax.Array  # [(layers,) rows, cols] int8 (8-bit) or [(layers,) rows, cols // 2] uint8 (4-bit)
+    codes: jax.Array  # [(layers,) rows, cols] int8 (8-bit) or uint16 (bf16), or [(layers,) rows, cols // 2] uint8
     scale: jax.Array  # [(layers,) rows, cols // group] float16 or float32
     mn: jax.Array | None  # like scale (asymmetric formats), else None
     layer: jax.Array | None = None  # set inside the layer scan: read the stack at this index
@@ -75,7 +79,7 @@ class QuantizedMatrix:
 
     @property
     def num_cols(self) -> int:
-        return self.codes.shape[-1] * 8 // self.bits
+        return self.codes.shape[-1] * 2 if self.bits == 4 else self.codes.shape[-1]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -147,6 +151,24 @@ def xla_dot(x: jax.Array, w: jax.Array, spec: str, dot_dtype: str, out_dtype) ->
                       ).astype(out_dtype)
 
 
+BF16_MIN_ROWS = 8  # XLA:CPU's bfloat16 dot of fewer rows is slow (one row by the 49,152-row head: 11x 8 rows' time)
+
+
+def bf16_dot(x: jax.Array, w: "QuantizedMatrix", out_dtype) -> jax.Array:
+    """`x [..., cols] @ M.T` for a `bf16` matrix: x rounded to bfloat16, the products summed in float32, times the
+    rows' scales -> `[..., rows]` in `out_dtype`; fewer than BF16_MIN_ROWS rows are padded to that many."""
+    codes, scale, _ = w._leaves()
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])  # [n, cols]
+    n = flat.shape[0]
+    if n < BF16_MIN_ROWS:
+        flat = jnp.pad(flat, ((0, BF16_MIN_ROWS - n), (0, 0)))
+    m = jax.lax.bitcast_convert_type(codes, jnp.bfloat16)  # [rows, cols]
+    y = jnp.einsum("nc,rc->nr", flat.astype(jnp.bfloat16), m, preferred_element_type=jnp.float32)
+    y = y[:n] * scale[:, 0]  # [n, rows]
+    return y.reshape(lead + (w.num_rows,)).astype(out_dtype)
+
+
 def native_reason(impl: str, unsupported) -> str | None:
     """Why a weight matrix of `impl` cannot take its native kernel (`unsupported()`: the kernel's own reason about the
     shapes and dtypes, or None), or None when it may: not with `impl='xla'`, a device mesh or no native build."""
@@ -189,15 +211,19 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
     n = math.prod(lead)
 
     def xla():  # XLA fuses each dequantization into its dot's operand
-        return tuple(xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
+        return tuple(bf16_dot(x, w, out_dtype) if w.bits == 16 else
+                     xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
                              w.dot_dtype, out_dtype) for w in ws)
 
     def cpu():
         from kivi_jax.native import matmul
 
         flat = x.reshape(n, cols)
-        parts = [matmul.qmatmul(flat[i : i + matmul.MAX_ROWS], *ws) for i in range(0, n, matmul.MAX_ROWS)]
-        ys = [p[0] for p in zip(*parts)] if len(parts) == 1 else [jnp.concatenate(p) for p in zip(*parts)]
+        if all(w.bits == 16 for w in ws):  # one call, up to BF16_ROWS rows (matmul.unsupported)
+            ys = matmul.bmatmul(flat.astype(jnp.bfloat16).astype(jnp.float32), *ws)
+        else:
+            parts = [matmul.qmatmul(flat[i : i + matmul.MAX_ROWS], *ws) for i in range(0, n, matmul.MAX_ROWS)]
+            ys = [p[0] for p in zip(*parts)] if len(parts) == 1 else [jnp.concatenate(p) for p in zip(*parts)]
         return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
 
     return native_or_xla(ws, n, x.dtype, cpu, xla)
@@ -321,7 +347,10 @@ def _unpack4(codes: jax.Array, group: int) -> jax.Array:
 
 def _dequantize(codes, scale, mn, bits: int, group: int, offset: int) -> jax.Array:
     """float32 `(code - offset) * scale + mn` with scale and mn broadcast over their groups."""
-    c = (_unpack4(codes, group) if bits == 4 else codes).astype(jnp.float32)
+    if bits == 16:
+        c = jax.lax.bitcast_convert_type(codes, jnp.bfloat16).astype(jnp.float32)
+    else:
+        c = (_unpack4(codes, group) if bits == 4 else codes).astype(jnp.float32)
     if offset:
         c = c - float(offset)
     grouped = c.reshape(c.shape[:-1] + (c.shape[-1] // group, group))  # [..., groups, G]
@@ -380,10 +409,14 @@ def is_quantized_format(weights: str) -> bool:
 
 
 def quantize_matrix(m, fmt: str, transposed: bool) -> QuantizedMatrix:
-    """Float `M [(layers,) rows, cols]` -> a QuantizedMatrix in `fmt` (int8, int4-gG, int4s-gG), on the host (numpy).
+    """Float `M [(layers,) rows, cols]` -> a QuantizedMatrix in `fmt` (int8, int4-gG, int4s-gG, bf16), on the host.
     Scales and mins are rounded to their storage dtype first and the codes computed against the stored values."""
     m = np.asarray(m, np.float32)
     cols = m.shape[-1]
+    if fmt == "bf16":
+        bits = jax.lax.bitcast_convert_type(jnp.asarray(m, jnp.bfloat16), jnp.uint16)
+        return _device(QuantizedMatrix(bits, np.ones(m.shape[:-1] + (1,), np.float32), None, fmt=fmt, bits=16,
+                                       group=cols, offset=0, transposed=transposed))
     if fmt == "int8":
         amax = np.max(np.abs(m), axis=-1, keepdims=True)
         scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
@@ -494,10 +527,12 @@ def convert_params(params, weights: str, dtype=None):
     leaves (and of every weight for a float format). Raises ValueError for a combination that cannot be."""
     weights = check_weights(weights)
     held = summary(params)
+    if weights == "bfloat16" and dtype is not None and jnp.dtype(dtype) == jnp.float32:
+        return _bf16_params(params)
     if weights in FLOAT_WEIGHTS:
         if dtype is not None and jnp.dtype(dtype) != jnp.dtype(weights):
             raise ValueError(f"weights={weights} and dtype={jnp.dtype(dtype).name} disagree: float weights are the "
-                             "compute dtype; give one of them")
+                             "compute dtype, but for bfloat16 weights under float32 compute; give one of them")
         return dequantize_params(params, jnp.dtype(weights))
     if weights == "gguf" and not any(f in GGUF_FORMATS for f in formats(params).values()):
         raise ValueError(f"weights='gguf' keeps a GGUF file's quantized blocks, but this model holds {held} "
@@ -513,12 +548,24 @@ def convert_params(params, weights: str, dtype=None):
     return cast_params(replace_leaves(params, new), dtype)
 
 
+def _bf16_params(params):
+    """Every matrix rounded to bfloat16 (`bf16` format), the rest float32."""
+    new = {}
+    for name, w, table in _quantizable(params):
+        m = w.dequantize(jnp.float32) if is_quantized(w) else (w if table else jnp.swapaxes(w, -1, -2))
+        new[name] = quantize_matrix(m, "bf16", transposed=not table)
+    return cast_params(replace_leaves(params, new), jnp.float32)
+
+
 def abstract_matrix(shape: tuple[int, ...], fmt: str, transposed: bool) -> QuantizedMatrix:
     """The QuantizedMatrix (of ShapeDtypeStructs: nothing allocated) that `quantize_matrix` makes of a float leaf of
     logical `shape` (`[(layers,) in, out]` for a projection, `[rows, cols]` for a table)."""
     lead, (a, b) = tuple(shape[:-2]), shape[-2:]
     rows, cols = (b, a) if transposed else (a, b)
     sds = lambda *s, dt: jax.ShapeDtypeStruct(lead + s, dt)
+    if fmt == "bf16":
+        return QuantizedMatrix(sds(rows, cols, dt=jnp.uint16), sds(rows, 1, dt=jnp.float32), None, fmt=fmt, bits=16,
+                               group=cols, offset=0, transposed=transposed)
     if fmt == "int8":
         return QuantizedMatrix(sds(rows, cols, dt=jnp.int8), sds(rows, 1, dt=jnp.float32), None, fmt=fmt, bits=8,
                                group=cols, offset=0, transposed=transposed)

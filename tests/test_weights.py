@@ -196,6 +196,37 @@ def test_prefill_view_dots_in_bfloat16_close_to_float32(fmt):
         assert np.abs(got - want).max() > 0  # the operands were rounded
 
 
+# (rows, cols) of bf16 matrices: neither a multiple of the kernel's 64-row items nor of the SIMD width
+BF16_CASES = [(37, 100), (130, 577), (576, 192)]
+
+
+@pytest.mark.parametrize("rows, cols", BF16_CASES)
+def test_bf16_native_matmul_equals_the_xla_twin(rows, cols):
+    """A `bf16` matrix holds its float matrix rounded to bfloat16, exactly; its dot (activations rounded to bfloat16,
+    float32 sums) through the native kernel up to BF16_ROWS rows and XLA's dot past them, against float64."""
+    from kivi_jax.native import matmul
+
+    assert native.available(), native.error()
+    rng = np.random.default_rng(rows)
+    m = rng.standard_normal((3, rows, cols)).astype(np.float32)
+    w = weights.quantize_matrix(m, "bf16", transposed=True)
+    rounded = np.asarray(jnp.asarray(m, jnp.bfloat16).astype(jnp.float32))
+    assert w.fmt == "bf16" and w.num_cols == cols and np.array_equal(np.asarray(w.dequantize()), rounded)
+    assert w.nbytes == m.size * 2 + 3 * rows * 4  # half the float32 matrix, and a scale a row
+    f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
+    for batch in (1, 2, 3, 7, 8, 13, 16, 17, 32):
+        x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)
+        want = np.asarray(x.astype(jnp.bfloat16), np.float64) @ rounded[2].T.astype(np.float64)
+        ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))
+        text = f.lower(x, w, jnp.int32(2)).as_text()
+        assert ("kivi_jax_bmatmul" in text) == (batch <= matmul.BF16_ROWS), batch
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no silent fallback
+            got = np.asarray(f(x, w.replace(impl="native" if batch <= matmul.BF16_ROWS else "auto"), jnp.int32(2)))
+        assert np.abs(ref - want).max() <= 1e-5 * np.abs(want).max()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), batch
+
+
 def tiny_cfg(**kw) -> LlamaConfig:
     base = dict(vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=32, tie_word_embeddings=True)
@@ -221,6 +252,33 @@ def test_quantized_tiny_model_tracks_the_float_model():
     assert 0 < err["int8"] <= 0.05 and err["int8"] < err["int4-g64"] <= 0.4, err
 
 
+@pytest.mark.filterwarnings("ignore:weights impl .native.")  # the prompt's prefill: XLA's dot, as it should
+def test_bfloat16_weights_under_a_float32_model():
+    """`weights='bfloat16'` with float32 compute: every matrix `bf16` (half the bytes), norms and activations float32;
+    its logits the float model's within bfloat16 rounding, and the native and XLA paths give one greedy answer."""
+    params = init_params(tiny_cfg(tie_word_embeddings=False), jax.random.PRNGKey(2), std=0.1)
+    half = weights.convert_params(params, "bfloat16", jnp.float32)
+    fmts = weights.formats(half)
+    assert fmts["embed"] == fmts["lm_head"] == fmts["layers.wq"] == fmts["layers.w_down"] == "bf16"
+    assert fmts["final_norm"] == fmts["layers.attn_norm"] == "float32" and half.dtype == jnp.float32
+    assert weights.summary(half) == "bf16"
+    assert half.layers.wq.nbytes < 0.6 * params.layers.wq.nbytes
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)))
+    ref = np.asarray(jax.jit(forward)(params, toks)[0])
+    got = np.asarray(jax.jit(forward)(half, toks)[0])
+    err = float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
+    assert 0 < err <= 0.02, err
+    model = kivi_jax.Model(half, half.config, None)
+    kw = dict(max_new_tokens=12, cache="kivi2", stop_at_eos=False)
+    nat = kivi_jax.generate(model._replace(params=weights.with_impl(half, "native")), [[5, 6, 7], [9]], **kw)
+    xla = kivi_jax.generate(model._replace(params=weights.with_impl(half, "xla")), [[5, 6, 7], [9]], **kw)
+    assert nat.token_ids == xla.token_ids
+    with pytest.raises(ValueError, match="disagree"):  # float16 weights under float32: not a format
+        weights.convert_params(params, "float16", jnp.float32)
+    all_half = weights.convert_params(params, "bfloat16")  # no dtype: bfloat16 compute, as before
+    assert all_half.dtype == jnp.bfloat16 and weights.formats(all_half)["layers.wq"] == "bfloat16"
+
+
 def test_quantized_checkpoint_roundtrips_exactly(tmp_path):
     params = weights.convert_params(init_params(tiny_cfg(tie_word_embeddings=False), jax.random.PRNGKey(1)),
                                     "int4-g32")
@@ -232,6 +290,11 @@ def test_quantized_checkpoint_roundtrips_exactly(tmp_path):
     assert back.layers.wq.transposed and not back.embed.transposed and back.lm_head.transposed
     half = checkpoint.restore(out, jnp.bfloat16)  # the compute dtype casts float leaves only
     assert half.dtype == jnp.bfloat16 and half.layers.wq.codes.dtype == jnp.uint8
+    bf16 = weights.convert_params(params, "bfloat16", jnp.float32)
+    back = checkpoint.restore(checkpoint.save(bf16, tmp_path / "b"))
+    assert weights.formats(back) == weights.formats(bf16) and back.layers.wq.codes.dtype == jnp.uint16
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree_util.tree_leaves(bf16), jax.tree_util.tree_leaves(back)))
 
 
 def test_gguf_blocks_load_as_stored_and_equal_the_dequantized_model(tiny_dirs, tmp_path):
@@ -271,9 +334,10 @@ def test_weights_names_are_checked():
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_the_xla_path_lowers_for_gpu_and_tpu(platform):
-    params = weights.convert_params(init_params(tiny_cfg(), jax.random.PRNGKey(0)), "int8")
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_the_xla_path_lowers_for_gpu_and_tpu(platform, fmt):
+    params = weights.convert_params(init_params(tiny_cfg(), jax.random.PRNGKey(0)), fmt, jnp.float32)
     cache = kivi_jax.make_cache("kivi2", params.config, 2, 256)
     step = jax.jit(lambda p, t, c: forward(p, t, c), donate_argnums=(2,))
     text = step.trace(params, jnp.ones((2, 1), jnp.int32), cache).lower(lowering_platforms=(platform,)).as_text()
-    assert "kivi_jax_qmatmul" not in text and "dot_general" in text
+    assert "kivi_jax_qmatmul" not in text and "kivi_jax_bmatmul" not in text and "dot_general" in text

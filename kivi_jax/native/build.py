@@ -32,7 +32,7 @@ SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc", HERE / "fmatmul_cpu.c
 HEADERS = (HERE / "simd.h", HERE / "gemm.h")
 TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode",
            "kivi_jax_eight_decode": "KiviJaxEightDecode", "kivi_jax_qmatmul": "KiviJaxQMatmul",
-           "kivi_jax_fmatmul": "KiviJaxFMatmul"}
+           "kivi_jax_fmatmul": "KiviJaxFMatmul", "kivi_jax_bmatmul": "KiviJaxBMatmul"}
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")

@@ -108,10 +108,29 @@ inline void axpy_block(const float* x, int64_t N, int64_t C, const float* w, flo
     }
 }
 
-// y[i, j] = sum_c x[i, c] w[j, c] for i < MR, j < NR: activation rows at stride ldx, weight rows at stride ldw,
-// outputs at stride ldy. The C % W columns past the last whole vector are added one by one.
-template <int MR, int NR>
-inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t C, float* y, int64_t ldy) {
+// Weights of a dot tile: float32, or bfloat16 (its bits as uint16_t) widened to float32 as they are loaded.
+inline vf wload(const float* p) { return vload(p); }
+inline float wscalar(const float* p) { return *p; }
+inline vf wload(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = bf16_to_float(p[i]);
+  return v;
+#endif
+}
+inline float wscalar(const uint16_t* p) { return bf16_to_float(*p); }
+
+// y[i, j] = sum_c x[i, c] w[j, c] for i < MR, j < NR: activation rows at stride ldx, weight rows (float32 or
+// bfloat16 bits, T) at stride ldw, outputs at stride ldy. The C % W columns past the last whole vector are added one
+// by one.
+template <int MR, int NR, typename T>
+inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t C, float* y, int64_t ldy) {
   vf acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -121,7 +140,7 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, i
   for (; c + W <= C; c += W) {
     vf wv[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) wv[j] = vload(w + j * ldw + c);
+    for (int j = 0; j < NR; ++j) wv[j] = wload(w + j * ldw + c);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const vf xv = vload(x + i * ldx + c);
@@ -134,36 +153,38 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t k = c; k < C; ++k) s += x[i * ldx + k] * w[j * ldw + k];
+      for (int64_t k = c; k < C; ++k) s += x[i * ldx + k] * wscalar(w + j * ldw + k);
       y[i * ldy + j] = s;
     }
 }
 
-using DotFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+template <typename T>
+using DotFn = void (*)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t);
 
-template <int NR>
-DotFn dot_for_rows(int mr) {
+template <int NR, typename T>
+DotFn<T> dot_for_rows(int mr) {
   switch (mr) {
-    case 1: return dot_tile<1, NR>;
-    case 2: return dot_tile<2, NR>;
+    case 1: return dot_tile<1, NR, T>;
+    case 2: return dot_tile<2, NR, T>;
 #if defined(__AVX512F__)
-    case 3: return dot_tile<3, NR>;
-    default: return dot_tile<4, NR>;
+    case 3: return dot_tile<3, NR, T>;
+    default: return dot_tile<4, NR, T>;
 #else
-    default: return dot_tile<3, NR>;
+    default: return dot_tile<3, NR, T>;
 #endif
   }
 }
 
-inline DotFn dot_kernel(int mr, int nr) {
+template <typename T>
+inline DotFn<T> dot_kernel(int mr, int nr) {
   switch (nr) {
-    case 1: return dot_for_rows<1>(mr);
-    case 2: return dot_for_rows<2>(mr);
+    case 1: return dot_for_rows<1, T>(mr);
+    case 2: return dot_for_rows<2, T>(mr);
 #if defined(__AVX512F__)
-    case 3: return dot_for_rows<3>(mr);
-    default: return dot_for_rows<4>(mr);
+    case 3: return dot_for_rows<3, T>(mr);
+    default: return dot_for_rows<4, T>(mr);
 #else
-    default: return dot_for_rows<3>(mr);
+    default: return dot_for_rows<3, T>(mr);
 #endif
   }
 }
@@ -172,8 +193,9 @@ inline DotFn dot_kernel(int mr, int nr) {
 // each tile of DOT_MR activation rows (held in L1), every DOT_NR weight rows of the block. `next`, `next_bytes`: the
 // weights the thread most likely takes next (the following block), requested into L2 a share after each tile, so
 // that their memory traffic overlaps this block's arithmetic.
-inline void dot_block(const float* x, int64_t N, int64_t C, const float* w, int64_t ldw, float* y, int64_t R,
-                      int64_t r0, int64_t r1, const float* next = nullptr, int64_t next_bytes = 0) {
+template <typename T>
+inline void dot_block(const float* x, int64_t N, int64_t C, const T* w, int64_t ldw, float* y, int64_t R,
+                      int64_t r0, int64_t r1, const T* next = nullptr, int64_t next_bytes = 0) {
   const int64_t tiles = ((N + DOT_MR - 1) / DOT_MR) * ((r1 - r0 + DOT_NR - 1) / DOT_NR);
   const int64_t share = next ? ((next_bytes + 63) / 64 + tiles - 1) / tiles * 64 : 0;  // bytes a tile requests
   const char* pf = reinterpret_cast<const char*>(next);
@@ -182,7 +204,7 @@ inline void dot_block(const float* x, int64_t N, int64_t C, const float* w, int6
     const int mr = (int)std::min<int64_t>(DOT_MR, N - n);
     for (int64_t r = r0; r < r1; r += DOT_NR) {
       const int nr = (int)std::min<int64_t>(DOT_NR, r1 - r);
-      dot_kernel(mr, nr)(x + n * C, C, w + (r - r0) * ldw, ldw, C, y + n * R + r, R);
+      dot_kernel<T>(mr, nr)(x + n * C, C, w + (r - r0) * ldw, ldw, C, y + n * R + r, R);
       for (int64_t k = 0; k < share && pf < pf_end; k += 64, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     }
   }

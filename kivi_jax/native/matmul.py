@@ -16,10 +16,16 @@ MAX_ROWS = 64  # activation rows one kernel call takes (past 8 it dequantizes ea
 SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS; longer inputs (prefill chunks) use
 # XLA's dot
 BITS = (4, 8)
+BF16_ROWS = 16  # activation rows a bf16 matrix takes the native kernel for; more go to XLA's bfloat16 dot (AMX: a
+# 32-row SmolLM2 step ties, 8 and 16 rows 0.59x and 0.75x its time natively, docs/kernels.md)
 
 
 def unsupported(w, rows: int, x_dtype) -> str | None:
     """Why the native kernel cannot compute `x M^T` for this matrix and `rows` activation rows, or None."""
+    if w.bits == 16:
+        if rows > BF16_ROWS:
+            return f"{rows} activation rows of a bf16 matrix is more than the native path's {BF16_ROWS} (XLA's dot)"
+        return None if jnp.dtype(x_dtype) == jnp.float32 else "the kernel takes float32 activations"
     if w.bits not in BITS:
         return f"the kernel reads {BITS}-bit codes, not {w.bits}"
     if rows > SPLIT_ROWS:
@@ -51,6 +57,24 @@ def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     return tuple(call(x.astype(jnp.float32), layer, *operands, bits=np.array([w.bits for w in ws], np.int64),
                       group=np.array([w.group for w in ws], np.int64),
                       offset=np.array([w.offset for w in ws], np.int64)))
+
+
+def bmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
+    """`x [n, cols]` float32 times `M^T` of each `bf16` matrix in `ws` (its bits `[(layers,) rows, cols]` uint16 and
+    float32 row scales; matrices sharing their input, each one matrix or a stack read at its `layer`) -> one
+    `[n, rows]` float32 array each, in one call (`fmatmul_cpu.cc`; twin: `kivi_jax.weights.bf16_dot`)."""
+    if build.load() is None:
+        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
+    layer = next((w.layer for w in ws if w.layer is not None), None)
+    if any((w.layer is None) != (layer is None) for w in ws):
+        raise ValueError("matrices of one call must all be read at the same layer, or all be single matrices")
+    operands = []
+    for w in ws:
+        stack = (lambda a: a) if w.codes.ndim == 3 else (lambda a: a[None])
+        operands += [stack(w.codes), stack(w.scale).astype(jnp.float32)]
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.num_rows), jnp.float32) for w in ws]
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    return tuple(jax.ffi.ffi_call("kivi_jax_bmatmul", tuple(results))(x.astype(jnp.float32), layer, *operands))
 
 
 def fmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:

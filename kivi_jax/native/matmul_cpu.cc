@@ -328,7 +328,7 @@ void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
       }
       for (int64_t n = 0; n < a.N; n += DOT_MR) {
         const int mr = (int)std::min<int64_t>(DOT_MR, a.N - n);
-        dot_kernel(mr, nr)(a.x + n * a.C, a.C, rows.data(), a.C, a.C, a.y + n * a.R + r, a.R);
+        dot_kernel<float>(mr, nr)(a.x + n * a.C, a.C, rows.data(), a.C, a.C, a.y + n * a.R + r, a.R);
       }
     }
     return;

@@ -117,6 +117,13 @@ inline vi widen(const uint8_t* p) {
 // Scales and mins: float16, bfloat16 or float32 in the cache, float32 here.
 enum ScaleType { F16 = 0, BF16 = 1, F32 = 2 };
 
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
   if (exp == 0x1f) {
