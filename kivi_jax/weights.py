@@ -49,7 +49,8 @@ _INT4 = re.compile(r"^int4(s?)-g(\d+)$")
 
 WEIGHTS_HELP = (
     "weights: 'auto' (a GGUF keeps its own quantized blocks, Q8_0/Q4_0/Q4_1; any other model its float weights), "
-    "'gguf' (a GGUF's blocks, required), 'float32' | 'bfloat16' | 'float16' (float weights), 'int8' (per output "
+    "'gguf' (a GGUF's blocks, required), 'float32' | 'bfloat16' | 'float16' (float weights; 'bfloat16' with "
+    "dtype float32: bfloat16 matrices, float32 activations), 'int8' (per output "
     "channel, symmetric), 'int4-g32' | 'int4-g64' | 'int4-g128' (4-bit, G columns a group, scale and min; "
     "embeddings and head in int8) or 'int4s-gG' (4-bit symmetric)"
 )

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--weights", default="float32")
+    p.add_argument("--dtype", default=None, help="compute dtype (bfloat16 weights under float32: --dtype float32)")
     p.add_argument("--cache", default="kivi2")
     p.add_argument("--live", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512, help="prompt tokens a sequence holds (default 512)")
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     from kivi_jax.serve import engine as E
     from kivi_jax.sampling import Sampling, row_settings
 
-    model = kivi_jax.load(args.model, progress=False, weights=args.weights)
+    model = kivi_jax.load(args.model, progress=False, weights=args.weights, dtype=args.dtype)
     params, cfg = model.params, model.config
     rng = np.random.RandomState(0)
     weights_fn = jax.jit(forward)
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
     peak = dot_rate(1024, 1024, 1024, 5)
     bw = copy_bandwidth()
     out = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-           "jax": jax.__version__, "model": args.model, "weights": args.weights, "cache": args.cache,
+           "jax": jax.__version__, "model": args.model, "weights": args.weights, "dtype": args.dtype,
+           "cache": args.cache,
            "peak_matmul_gflops_1024": round(peak, 1), "copy_gb_per_s": round(bw, 2), "rows": rows_out,
            "engine": engine_rows}
     print("| live | step ms | device | weights | attention | sampling | host | tokens/s | MLP dot GFLOP/s |")

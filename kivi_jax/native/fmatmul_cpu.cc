@@ -1,7 +1,8 @@
-// Float32- and bfloat16-weight matmuls on the CPU for the few activation rows of a decode step, an XLA FFI handler (docs/kernels.md
-// "Float weights"). Its contract is kivi_jax.weights.FloatMatrix.matmul_t's XLA path: y = x W for a projection
-// W [C, R] (a stacked [layers, C, R] leaf read at the layer index, in place: XLA's dot would first copy the layer's
-// slice out of the stack), or y = x T^T for a table T [R, C] (the tied output head).
+// Float32-weight matmul on the CPU for the few activation rows of a decode step, an XLA FFI handler (docs/kernels.md
+// "Float weights"), and its bfloat16-weight sibling (`KiviJaxBMatmul`, below). Its contract is
+// kivi_jax.weights.FloatMatrix.matmul_t's XLA path: y = x W for a projection W [C, R] (a stacked [layers, C, R] leaf
+// read at the layer index, in place: XLA's dot would first copy the layer's slice out of the stack), or y = x T^T for
+// a table T [R, C] (the tied output head).
 //
 // Work items are blocks of output units shared out on XLA's intra-op thread pool; an item runs every tile of
 // activation rows over its block (gemm.h), the first tile reading the block's weights from memory, the others from
