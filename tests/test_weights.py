@@ -227,6 +227,27 @@ def test_bf16_native_matmul_equals_the_xla_twin(rows, cols):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), batch
 
 
+def test_bf16_and_quantized_matrices_sharing_an_input(monkeypatch):
+    """q, k and v of mixed formats (a rotated cache re-quantizes wv as int8 beside bf16 wq and wk): the bf16 ones in
+    one bfloat16 call, the others in one quantized call, each result its own matrix's."""
+    from kivi_jax.models.weights import dot_many
+    from kivi_jax.native import matmul
+
+    calls = []
+    for name in ("bmatmul", "qmatmul"):
+        real = getattr(matmul, name)
+        monkeypatch.setattr(matmul, name, lambda x, *ws, real=real, name=name: calls.append((name, len(ws)))
+                            or real(x, *ws))
+    ws = (random_matrix("bf16", 24, 64, layers=2), random_matrix("int8", 8, 64, layers=2, seed=1),
+          random_matrix("bf16", 40, 64, layers=2, seed=2))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.float32)
+    got = jax.jit(lambda x, ws, layer: dot_many(x, tuple(w.at_layer(layer) for w in ws)))(x, ws, jnp.int32(1))
+    assert sorted(calls) == [("bmatmul", 2), ("qmatmul", 1)]
+    for y, w in zip(got, ws):
+        want = np.asarray(w.at_layer(jnp.int32(1)).replace(impl="xla").matmul_t(x))
+        assert y.shape == (3, w.num_rows) and np.abs(np.asarray(y) - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def tiny_cfg(**kw) -> LlamaConfig:
     base = dict(vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=32, tie_word_embeddings=True)
