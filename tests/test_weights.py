@@ -196,14 +196,16 @@ def test_prefill_view_dots_in_bfloat16_close_to_float32(fmt):
         assert np.abs(got - want).max() > 0  # the operands were rounded
 
 
-# (rows, cols) of bf16 matrices: neither a multiple of the kernel's 64-row items nor of the SIMD width
-BF16_CASES = [(37, 100), (130, 577), (576, 192)]
+# (rows, cols) of bf16 matrices: rows not a multiple of the kernel's 64-row items (nor of AMX's 16-row tiles), columns
+# a multiple of AMX's 32 or not (the widening tiles)
+BF16_CASES = [(37, 100), (130, 577), (576, 192), (130, 576)]
 
 
 @pytest.mark.parametrize("rows, cols", BF16_CASES)
 def test_bf16_native_matmul_equals_the_xla_twin(rows, cols):
     """A `bf16` matrix holds its float matrix rounded to bfloat16, exactly; its dot (activations rounded to bfloat16,
-    float32 sums) through the native kernel up to BF16_ROWS rows and XLA's dot past them, against float64."""
+    float32 sums) through the native kernel up to BF16_ROWS rows (AMX tiles where the CPU has them) and XLA's dot past
+    them, against float64."""
     from kivi_jax.native import matmul
 
     assert native.available(), native.error()
@@ -214,7 +216,7 @@ def test_bf16_native_matmul_equals_the_xla_twin(rows, cols):
     assert w.fmt == "bf16" and w.num_cols == cols and np.array_equal(np.asarray(w.dequantize()), rounded)
     assert w.nbytes == m.size * 2 + 3 * rows * 4  # half the float32 matrix, and a scale a row
     f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
-    for batch in (1, 2, 3, 7, 8, 13, 16, 17, 32):
+    for batch in (1, 2, 3, 7, 8, 13, 16, 17, 32, 45, 64, 65):
         x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)
         want = np.asarray(x.astype(jnp.bfloat16), np.float64) @ rounded[2].T.astype(np.float64)
         ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))

@@ -10,7 +10,83 @@
 
 #include "gemm.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define KIVI_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
+
+#if KIVI_AMX
+// AMX for bfloat16 weights: y^T = M x^T in tiles, weights as the A operand (16 output rows by 32 inputs, each row
+// read where it lies), the activations packed once a call as the B operand (input pairs by 16 activation rows), four
+// 16 x 16 float32 accumulators (32 outputs by 32 activation rows). The kernel must first be allowed the tile state.
+bool amx_allowed() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Outputs [r0, r1) (whole 16s) of y [N, R] += (x W^T)[:, r] for the packed activations xp (`pack_pairs`, n16 of them
+// a pair row, zero past N) and the weights w [R, C] (C a multiple of 32) at row r0.
+inline void amx_block(const uint16_t* xp, int64_t N, int64_t n16, int64_t C, const uint16_t* w, float* y, int64_t R,
+                      int64_t r0, int64_t r1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float out[16 * 16];
+  for (int64_t r = r0; r < r1; r += 32) {
+    const bool two = r + 32 <= r1;  // 32 outputs, else 16
+    for (int64_t nb = 0; nb < n16; nb += 32) {
+      const bool pair = nb + 16 < n16;  // 32 activation rows, else 16
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < C; k += 32) {
+        const uint16_t* b = xp + (k / 2 * n16 + nb) * 2;  // pair row k/2, activation nb
+        _tile_loadd(4, w + (r - r0) * C + k, C * 2);
+        _tile_loadd(6, b, n16 * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        if (pair) {
+          _tile_loadd(7, b + 32, n16 * 4);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two) {
+          _tile_loadd(5, w + (r - r0 + 16) * C + k, C * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          if (pair) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      for (int t = 0; t < 4; ++t) {
+        const int64_t ro = r + (t >= 2 ? 16 : 0), no = nb + (t & 1 ? 16 : 0);
+        if ((t >= 2 && !two) || ((t & 1) && !pair)) continue;
+        switch (t) {  // the tile register is an immediate
+          case 0: _tile_stored(0, out, 64); break;
+          case 1: _tile_stored(1, out, 64); break;
+          case 2: _tile_stored(2, out, 64); break;
+          default: _tile_stored(3, out, 64); break;
+        }
+        for (int m = 0; m < 16; ++m)  // out[m][n]: output ro + m, activation row no + n
+          for (int n = 0; n < 16 && no + n < N; ++n) y[(no + n) * R + ro + m] = out[m * 16 + n];
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 
 constexpr int64_t AXPY_ITEM = AXPY_NV * W;       // output units a work item of a projection takes
 constexpr int64_t DOT_ITEM = 64;                // ... of a table
@@ -111,11 +187,34 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     first[i + 1] = first[i] + (a.R + DOT_ITEM - 1) / DOT_ITEM;
   }
   const float* xp = x.typed_data();
+#if KIVI_AMX
+  // x's bfloat16 bits (its values are bfloat16's: the top half of each float) in pairs of inputs: [C / 2, n16, 2]
+  const bool amx = C % 32 == 0 && amx_allowed();
+  const int64_t n16 = (N + 15) / 16 * 16;
+  std::vector<uint16_t> packed(amx ? C * n16 : 0, 0);
+  for (int64_t n = 0; amx && n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) {
+      uint32_t bits;
+      std::memcpy(&bits, xp + n * C + c, 4);
+      packed[(c / 2 * n16 + n) * 2 + c % 2] = (uint16_t)(bits >> 16);
+    }
+#endif
   parallel_for(pool, first[M], [&](int64_t it) {
     size_t i = 0;
     while (it >= first[i + 1]) ++i;
     const BArgs& a = mats[i];
-    const int64_t r0 = (it - first[i]) * DOT_ITEM, r1 = std::min(a.R, r0 + DOT_ITEM);
+    int64_t r0 = (it - first[i]) * DOT_ITEM;
+    const int64_t r1 = std::min(a.R, r0 + DOT_ITEM);
+#if KIVI_AMX
+    if (amx) {  // whole 16s of outputs in tiles, the rest below
+      const int64_t r16 = r0 + (r1 - r0) / 16 * 16;
+      if (r16 > r0) amx_block(packed.data(), N, n16, C, a.w + r0 * C, a.y, a.R, r0, r16);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t r = r0; r < r16; ++r) a.y[n * a.R + r] *= a.scale[r];
+      r0 = r16;
+      if (r0 == r1) return;
+    }
+#endif
     const int64_t next_rows = std::max<int64_t>(0, std::min(a.R, r1 + DOT_ITEM) - r1);
     dot_block(xp, N, C, a.w + r0 * C, C, a.y, a.R, r0, r1, a.w + r1 * C, next_rows * C * 2);
     for (int64_t n = 0; n < N; ++n)

@@ -16,8 +16,17 @@ MAX_ROWS = 64  # activation rows one kernel call takes (past 8 it dequantizes ea
 SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS; longer inputs (prefill chunks) use
 # XLA's dot
 BITS = (4, 8)
-BF16_ROWS = 16  # activation rows a bf16 matrix takes the native kernel for; more go to XLA's bfloat16 dot (AMX: a
-# 32-row SmolLM2 step ties, 8 and 16 rows 0.59x and 0.75x its time natively, docs/kernels.md)
+
+
+def bf16_rows() -> int:
+    """Activation rows a bf16 matrix takes the native kernel for; more go to XLA's bfloat16 dot. With AMX the kernel
+    runs tiles and wins up to 64 rows (a SmolLM2 step at 32 rows 0.75x, at 64 0.90x XLA's, docs/kernels.md); without
+    it, widening the weights, only up to 16 (at 32 rows a tie, at 64 1.4x XLA's)."""
+    flags = build.cpu_features().split()
+    return 64 if "amx_bf16" in flags and "amx_tile" in flags else 16
+
+
+BF16_ROWS = bf16_rows()
 
 
 def unsupported(w, rows: int, x_dtype) -> str | None:

@@ -20,8 +20,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__) || defined(__x86_64__)
+#include <immintrin.h>  // (x86-64 without -march=native: SSE2's prefetch only)
 #endif
 
 namespace ffi = xla::ffi;
