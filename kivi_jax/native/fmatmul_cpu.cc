@@ -36,8 +36,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Outputs [r0, r1) (whole 16s) of y [N, R] += (x W^T)[:, r] for the packed activations xp (`pack_pairs`, n16 of them
-// a pair row, zero past N) and the weights w [R, C] (C a multiple of 32) at row r0.
+// Outputs [r0, r1) (whole 16s) of y [N, R] = x W^T for the packed activations xp ([C / 2, n16, 2]: input pairs by
+// n16 activation rows, zero past N; BMatmulImpl packs them) and the weights w [R, C] (C a multiple of 32) at row r0.
 inline void amx_block(const uint16_t* xp, int64_t N, int64_t n16, int64_t C, const uint16_t* w, float* y, int64_t R,
                       int64_t r0, int64_t r1) {
   TileConfig cfg;
@@ -148,9 +148,10 @@ ffi::Error FMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }
 
 // y_i = (x M_i^T) * scale_i for every bfloat16 matrix i of the call (`kivi_jax.weights` format bf16: its bits
-// [L, R, C] uint16, a float32 scale [L, R, 1] a row), their blocks of DOT_ITEM rows one pool of work items. The
-// weights are widened to float32 as they are loaded (half a float32 matrix's bytes from memory); x as given (the
-// caller rounds it to bfloat16, as XLA's bfloat16 dot does).
+// [L, R, C] uint16, a float32 scale [L, R, 1] a row), their blocks of DOT_ITEM rows one pool of work items. x comes
+// rounded to bfloat16 (as XLA's bfloat16 dot rounds it). With AMX (and C a multiple of 32) whole 16s of a block's
+// rows run in tiles (`amx_block`); the rest in the float kernel's dot tiles, the weights widened to float32 as they
+// are loaded (half a float32 matrix's bytes from memory either way).
 ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto xd = x.dimensions();
