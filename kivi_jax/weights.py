@@ -220,15 +220,20 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
         from kivi_jax.native import matmul
 
         flat = x.reshape(n, cols)
-        half = [w for w in ws if w.bits == 16]  # bf16 matrices: one call, up to BF16_ROWS rows (matmul.unsupported)
-        codes = [w for w in ws if w.bits != 16]
-        ys = dict(zip(map(id, half), matmul.bmatmul(flat.astype(jnp.bfloat16).astype(jnp.float32), *half)
-                      if half else ()))
-        if codes:
-            parts = [matmul.qmatmul(flat[i : i + matmul.MAX_ROWS], *codes) for i in range(0, n, matmul.MAX_ROWS)]
-            ys.update(zip(map(id, codes), [p[0] for p in zip(*parts)] if len(parts) == 1 else
-                          [jnp.concatenate(p) for p in zip(*parts)]))
-        return tuple(ys[id(w)].reshape(lead + (w.num_rows,)).astype(out_dtype) for w in ws)
+        half = [i for i, w in enumerate(ws) if w.bits == 16]  # bf16: one call, up to BF16_ROWS rows
+        rest = [i for i, w in enumerate(ws) if w.bits != 16]
+        ys = [None] * len(ws)
+        if half:
+            outs = matmul.bmatmul(flat.astype(jnp.bfloat16).astype(jnp.float32), *(ws[i] for i in half))
+            for i, y in zip(half, outs):
+                ys[i] = y
+        if rest:
+            parts = [matmul.qmatmul(flat[r : r + matmul.MAX_ROWS], *(ws[i] for i in rest))
+                     for r in range(0, n, matmul.MAX_ROWS)]
+            for i, y in zip(rest, [p[0] for p in zip(*parts)] if len(parts) == 1 else
+                            [jnp.concatenate(p) for p in zip(*parts)]):
+                ys[i] = y
+        return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
 
     return native_or_xla(ws, n, x.dtype, cpu, xla)
 
