@@ -111,19 +111,7 @@ inline void axpy_block(const float* x, int64_t N, int64_t C, const float* w, flo
 // Weights of a dot tile: float32, or bfloat16 (its bits as uint16_t) widened to float32 as they are loaded.
 inline vf wload(const float* p) { return vload(p); }
 inline float wscalar(const float* p) { return *p; }
-inline vf wload(const uint16_t* p) {
-#if defined(__AVX512F__)
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#elif defined(__AVX2__)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#else
-  vf v;
-  for (int i = 0; i < W; ++i) v[i] = bf16_to_float(p[i]);
-  return v;
-#endif
-}
+inline vf wload(const uint16_t* p) { return bf16_load(p); }
 inline float wscalar(const uint16_t* p) { return bf16_to_float(*p); }
 
 // y[i, j] = sum_c x[i, c] w[j, c] for i < MR, j < NR: activation rows at stride ldx, weight rows (float32 or

@@ -46,22 +46,28 @@ def unsupported(w, rows: int, x_dtype) -> str | None:
     return None
 
 
-def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
-    """`x [n, cols]` float32 times `M^T` of each quantized matrix in `ws` (matrices sharing their input, e.g. q, k
-    and v; each one layer, or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call."""
+def call_layer(ws) -> jax.Array:
+    """The layer index `[]` int32 one native call reads its matrices' stacks at (0 for single matrices), the kernels
+    built; raises when they are not, or when the matrices disagree."""
     if build.load() is None:
         raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
-    operands, results = [], []
     layer = next((w.layer for w in ws if w.layer is not None), None)
     if any((w.layer is None) != (layer is None) for w in ws):
         raise ValueError("matrices of one call must all be read at the same layer, or all be single matrices")
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+
+
+def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
+    """`x [n, cols]` float32 times `M^T` of each quantized matrix in `ws` (matrices sharing their input, e.g. q, k
+    and v; each one layer, or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call."""
+    layer = call_layer(ws)
+    operands, results = [], []
     for w in ws:
         stack = (lambda a: a) if w.codes.ndim == 3 else (lambda a: a[None])
         codes, scale = stack(w.codes), stack(w.scale)
         mn = jnp.zeros((0,), scale.dtype) if w.mn is None else stack(w.mn)
         operands += [codes, scale, mn]
         results.append(jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32))
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     call = jax.ffi.ffi_call("kivi_jax_qmatmul", tuple(results))
     return tuple(call(x.astype(jnp.float32), layer, *operands, bits=np.array([w.bits for w in ws], np.int64),
                       group=np.array([w.group for w in ws], np.int64),
@@ -72,17 +78,12 @@ def bmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     """`x [n, cols]` float32 times `M^T` of each `bf16` matrix in `ws` (its bits `[(layers,) rows, cols]` uint16 and
     float32 row scales; matrices sharing their input, each one matrix or a stack read at its `layer`) -> one
     `[n, rows]` float32 array each, in one call (`fmatmul_cpu.cc`; twin: `kivi_jax.weights.bf16_dot`)."""
-    if build.load() is None:
-        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
-    layer = next((w.layer for w in ws if w.layer is not None), None)
-    if any((w.layer is None) != (layer is None) for w in ws):
-        raise ValueError("matrices of one call must all be read at the same layer, or all be single matrices")
+    layer = call_layer(ws)
     operands = []
     for w in ws:
         stack = (lambda a: a) if w.codes.ndim == 3 else (lambda a: a[None])
         operands += [stack(w.codes), stack(w.scale).astype(jnp.float32)]
     results = [jax.ShapeDtypeStruct((x.shape[0], w.num_rows), jnp.float32) for w in ws]
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     return tuple(jax.ffi.ffi_call("kivi_jax_bmatmul", tuple(results))(x.astype(jnp.float32), layer, *operands))
 
 
@@ -90,14 +91,9 @@ def fmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     """`x [n, cols]` float32 times each float32 matrix of `ws` (`FloatMatrix`: a projection `[(layers,) cols, rows]`
     or a table `[rows, cols]`, matrices sharing their input; each one matrix, or a stack read at its `layer`) -> one
     `[n, rows]` float32 array each, in one call."""
-    if build.load() is None:
-        raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
-    layer = next((w.layer for w in ws if w.layer is not None), None)
-    if any((w.layer is None) != (layer is None) for w in ws):
-        raise ValueError("matrices of one call must all be read at the same layer, or all be single matrices")
+    layer = call_layer(ws)
     operands = [w.w if w.w.ndim == 3 else w.w[None] for w in ws]
     results = [jax.ShapeDtypeStruct((x.shape[0], w.num_rows), jnp.float32) for w in ws]
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     call = jax.ffi.ffi_call("kivi_jax_fmatmul", tuple(results))
     return tuple(call(x.astype(jnp.float32), layer, *(o.astype(jnp.float32) for o in operands),
                       projection=np.array([int(w.transposed) for w in ws], np.int64)))

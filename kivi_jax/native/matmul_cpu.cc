@@ -50,12 +50,7 @@ struct QArgs {
 inline float scalar_at(const void* base, int64_t i, ScaleType t) {
   if (t == F32) return static_cast<const float*>(base)[i];
   uint16_t h = static_cast<const uint16_t*>(base)[i];
-  if (t == BF16) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
+  if (t == BF16) return bf16_to_float(h);
 #if defined(__F16C__)
   return _cvtsh_ss(h);
 #else

@@ -124,6 +124,21 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// W consecutive bfloat16 values (their bits) as float lanes: each widened by a shift of 16 bits.
+inline vf bf16_load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = bf16_to_float(p[i]);
+  return v;
+#endif
+}
+
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
   if (exp == 0x1f) {
@@ -161,8 +176,7 @@ inline void load_scales(const void* base, int64_t offset, int n, ScaleType t, fl
 #endif
     for (; i < n; ++i) out[i] = half_to_float(p[i]);
   } else {
-    uint32_t* o = reinterpret_cast<uint32_t*>(out);
-    for (; i < n; ++i) o[i] = (uint32_t)p[i] << 16;
+    for (; i < n; ++i) out[i] = bf16_to_float(p[i]);
   }
 }
 
@@ -176,6 +190,7 @@ inline vf scales_at(const void* base, int64_t i) {
 #elif defined(__F16C__)
   if (ST == F16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #endif
+  if (ST == BF16) return bf16_load(p);
   alignas(64) float out[W];
   load_scales(base, i, W, ST, out);
   return vload(out);
