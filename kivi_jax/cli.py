@@ -399,6 +399,8 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
 
 def add_eval_parser(sub) -> None:
     """`kivi-jax eval ppl | ablate | errors | longctx`: quality through the cache (kivi_jax.evaluate, kivi_jax.longctx)."""
+    from kivi_jax.weights import PREFILL_PRECISIONS
+
     e = sub.add_parser("eval", help="quality through the cache: perplexity, the KIVI ablation, error diagnostics",
                        description="Quality of a cache configuration, measured through the cache (docs/design.md §6).")
     esub = e.add_subparsers(dest="eval_command", required=True)
@@ -414,7 +416,7 @@ def add_eval_parser(sub) -> None:
     _add_protocol_args(p)
     p.add_argument("--cache", default=EVAL_DEFAULT_CACHES,
                    help=f"comma-separated cache specs (default {EVAL_DEFAULT_CACHES}); the grammar is below")
-    p.add_argument("--prefill-precision", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--prefill-precision", choices=PREFILL_PRECISIONS, default="float32",
                    help="the operands of the prefill's matmuls for every cache but the reference full (default "
                         "float32; bfloat16: as `serve --prefill-precision bfloat16` prefills)")
     p.set_defaults(func=cmd_eval_ppl)

@@ -537,7 +537,7 @@ def convert_params(params, weights: str, dtype=None):
     weights = check_weights(weights)
     held = summary(params)
     if weights == "bfloat16" and dtype is not None and jnp.dtype(dtype) == jnp.float32:
-        return _bf16_params(params)
+        weights = "bf16"  # every matrix rounded to bfloat16 (the quantizing loop below), the rest float32
     if weights in FLOAT_WEIGHTS:
         if dtype is not None and jnp.dtype(dtype) != jnp.dtype(weights):
             raise ValueError(f"weights={weights} and dtype={jnp.dtype(dtype).name} disagree: float weights are the "
@@ -555,15 +555,6 @@ def convert_params(params, weights: str, dtype=None):
         new[name] = quantize_matrix(m, table_format(weights) if table or name == "lm_head" else weights,
                                     transposed=not table)
     return cast_params(replace_leaves(params, new), dtype)
-
-
-def _bf16_params(params):
-    """Every matrix rounded to bfloat16 (`bf16` format), the rest float32."""
-    new = {}
-    for name, w, table in _quantizable(params):
-        m = w.dequantize(jnp.float32) if is_quantized(w) else (w if table else jnp.swapaxes(w, -1, -2))
-        new[name] = quantize_matrix(m, "bf16", transposed=not table)
-    return cast_params(replace_leaves(params, new), jnp.float32)
 
 
 def abstract_matrix(shape: tuple[int, ...], fmt: str, transposed: bool) -> QuantizedMatrix:

@@ -13,6 +13,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     from kivi_jax.cli_args import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.cli_args import integer
     from kivi_jax.serve.engine import CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS
+    from kivi_jax.weights import PREFILL_PRECISIONS
 
     add_model_args(p)
     add_cache_args(p, cache_default)
@@ -52,7 +53,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "costs; all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
-    p.add_argument("--prefill-precision", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--prefill-precision", choices=PREFILL_PRECISIONS, default="float32",
                    help="the operands of a prompt's prefill matmuls (default float32, exact); bfloat16 rounds them, "
                         "float32 sums: 1.4-1.9x faster prefill on a CPU with AMX, no gain expected without AMX or "
                         "AVX512-BF16 (docs/serving.md measures its speed and its loss); decode steps stay float32")
