@@ -27,6 +27,7 @@ from kivi_jax import layout, quant, sharding
 
 BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
 DEQUANTIZE_ROWS = 64  # query rows (new tokens x query heads a kv head) from which stored blocks are dequantized
+# (and bfloat16 queries dot in bfloat16: `Rows.dot_dtype`)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -62,19 +63,32 @@ def gather_tokens(a: jax.Array, layer, rows: jax.Array) -> jax.Array:
 
 class Rows(NamedTuple):
     """The new tokens' queries grouped by kv head: `q [batch, kv_heads, T * n_rep, head_dim]` float32, scaled by
-    1/sqrt(head_dim); `pos [batch, T * n_rep]` the position of each row's token."""
+    1/sqrt(head_dim); `pos [batch, T * n_rep]` the position of each row's token; `dot_dtype` the operands of their
+    dots with keys and of the probabilities with values (sums, scores and the softmax float32 either way)."""
 
     q: jax.Array
     pos: jax.Array
+    dot_dtype: type = jnp.float32
 
 
 def group_queries(q: jax.Array, positions: jax.Array, kv_heads: int) -> Rows:
-    """q `[batch, T, q_heads, head_dim]`, positions `[batch, T]` -> `Rows` (row `t * n_rep + r`)."""
+    """q `[batch, T, q_heads, head_dim]`, positions `[batch, T]` -> `Rows` (row `t * n_rep + r`). A chunk of
+    bfloat16 queries with at least DEQUANTIZE_ROWS rows a kv head dots in bfloat16 (the model's matmuls do: a
+    bfloat16 prefill or bfloat16 weights, docs/serving.md); a decode step's few rows stay float32."""
     batch, tokens, q_heads, head_dim = q.shape
     n_rep = q_heads // kv_heads
     qg = (q.astype(jnp.float32) * head_dim**-0.5).reshape(batch, tokens, kv_heads, n_rep, head_dim)
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, tokens * n_rep, head_dim)
-    return Rows(qg, jnp.repeat(positions.astype(jnp.int32), n_rep, axis=1))
+    bf16 = q.dtype == jnp.bfloat16 and tokens * n_rep >= DEQUANTIZE_ROWS
+    return Rows(qg, jnp.repeat(positions.astype(jnp.int32), n_rep, axis=1), jnp.bfloat16 if bf16 else jnp.float32)
+
+
+def scores_of(rows: Rows, keys: jax.Array) -> jax.Array:
+    """float32 scores `[batch, kv_heads, rows, tokens]` of `rows` against keys `[batch, kv_heads, tokens, D]`."""
+    if rows.dot_dtype == jnp.float32:
+        return jnp.einsum("bhrd,bhtd->bhrt", rows.q, keys, preferred_element_type=jnp.float32)
+    return jnp.einsum("bhrd,bhtd->bhrt", rows.q.astype(rows.dot_dtype), keys.astype(rows.dot_dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def ungroup(out: jax.Array, tokens: int, dtype) -> jax.Array:
@@ -153,8 +167,11 @@ def block_size(num_tokens: int, multiple: int = 1, block: int = BLOCK_TOKENS) ->
     return block - block % multiple
 
 
-def dense_values(p: jax.Array, v: jax.Array) -> jax.Array:
-    """Probabilities `[batch, kv_heads, rows, tokens]` times full-precision values `[batch, kv_heads, tokens, D]`."""
+def dense_values(p: jax.Array, v: jax.Array, dot_dtype=jnp.float32) -> jax.Array:
+    """Probabilities `[batch, kv_heads, rows, tokens]` times full-precision values `[batch, kv_heads, tokens, D]`
+    (both rounded to `dot_dtype` first unless it is float32)."""
+    if dot_dtype != jnp.float32:
+        p, v = p.astype(dot_dtype), v.astype(dot_dtype)
     return jnp.einsum("bhrt,bhtd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
@@ -178,8 +195,7 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
         pos = jax.lax.dynamic_slice_in_dim(positions, start, block, axis=1)  # [batch, block]
         ok = layout.visible(pos, rows.pos, window)  # [batch, rows, block]
         ok &= ((idx[None, :] < num_new[:, None]) & (idx[None, :] >= first_new))[:, None, :]
-        scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
-        return state.update(masked(scores, ok, softcap), lambda p: dense_values(p, vb))
+        return state.update(masked(scores_of(rows, kb), ok, softcap), lambda p: dense_values(p, vb, rows.dot_dtype))
 
     if block == tokens:  # one block: no loop
         return step(state, 0, 0)
@@ -209,9 +225,10 @@ def causal_tiles(state: Softmax, rows: Rows, k: jax.Array, v: jax.Array, positio
         q_pos = rows.pos[:, r]
         ok = layout.visible(positions[:, :b], q_pos, window)  # [batch, tile rows, b]
         ok &= (jnp.arange(b)[None, :] < num_new[:, None])[:, None, :]
-        scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q[:, :, r], k[:, :, :b], preferred_element_type=jnp.float32)
+        scores = scores_of(rows._replace(q=rows.q[:, :, r]), k[:, :, :b])
         part = Softmax(state.m[:, :, r], state.l[:, :, r], state.acc[:, :, r])
-        outs.append(part.update(masked(scores, ok, softcap), lambda p, b=b: dense_values(p, v[:, :, :b])))
+        outs.append(part.update(masked(scores, ok, softcap),
+                                lambda p, b=b: dense_values(p, v[:, :, :b], rows.dot_dtype)))
     return Softmax(*(jnp.concatenate(x, axis=2) for x in zip(*outs)))
 
 
@@ -233,8 +250,7 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
         kb = stored_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
         vb = stored_tokens(v_cache, layer, start, block)
         valid = stored_mask(start + jnp.arange(block), first_new, length, rows, window)
-        scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, kb, preferred_element_type=jnp.float32)
-        return state.update(masked(scores, valid, softcap), lambda p: dense_values(p, vb))
+        return state.update(masked(scores_of(rows, kb), valid, softcap), lambda p: dense_values(p, vb, rows.dot_dtype))
 
     state = blockwise(Softmax.empty(rows.q), num_tokens, block, length, step)
     state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
@@ -408,8 +424,8 @@ def sink_tokens(state: Softmax, rows: Rows, k_sink: jax.Array, v_sink: jax.Array
     pos = jnp.arange(k_sink.shape[2], dtype=jnp.int32)
     keys = rotated(k_sink.astype(jnp.float32), pos[None, :], inv_freq)
     valid = stored_mask(pos, 0, length, rows, window)
-    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, keys), valid, softcap)
-    return state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_sink.astype(jnp.float32)))
+    scores = masked(scores_of(rows, keys), valid, softcap)
+    return state.update(scores, lambda p: dense_values(p, v_sink.astype(jnp.float32), rows.dot_dtype))
 
 
 def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
@@ -466,9 +482,10 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
         if inv_freq is None and not dense:
             scores = quantized_scores(rows.q, kb, int8_dots)
         else:
-            scores = jnp.einsum("bhrd,bhtd->bhrt", rows.q, rotated(dequantized(kb), pos[None, :], inv_freq))
+            scores = scores_of(rows, rotated(dequantized(kb), pos[None, :], inv_freq))
         if dense:
-            return state.update(masked(scores, valid, softcap), lambda p: dense_values(p, dequantized(vb)))
+            return state.update(masked(scores, valid, softcap),
+                                lambda p: dense_values(p, dequantized(vb), rows.dot_dtype))
         int8_chunk = k_store.group_size if int8_dots else 0
         return state.update(masked(scores, valid, softcap), lambda p: quantized_values(p, vb, int8_chunk))
 
@@ -480,8 +497,8 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     valid = ((held >= main_end[:, None]) & (held >= num_sinks))[:, None, :]  # [batch, 1, R]; never-written slots < 0
     if window is not None:
         valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
-    scores = masked(jnp.einsum("bhrd,bhtd->bhrt", rows.q, k_win), valid, softcap)
-    state = state.update(scores, lambda p: jnp.einsum("bhrt,bhtd->bhrd", p, v_win))
+    state = state.update(masked(scores_of(rows, k_win), valid, softcap),
+                         lambda p: dense_values(p, v_win, rows.dot_dtype))
     state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
     return ungroup(state.result(), q.shape[1], q.dtype)
 

@@ -72,6 +72,11 @@ class QuantizedMatrix:
     impl: str = struct.field(pytree_node=False, default="auto")
     dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`prefill_view`)
 
+    @property
+    def operand_dtype(self) -> str:
+        """The dtype the matmul rounds its operands to (the model seam's `operand_dtype`)."""
+        return "bfloat16" if self.bits == 16 else self.dot_dtype
+
     # -- shapes -------------------------------------------------------------------------------------------------------
 
     @property
@@ -250,6 +255,11 @@ class FloatMatrix:
     transposed: bool = struct.field(pytree_node=False, default=True)
     impl: str = struct.field(pytree_node=False, default="auto")
     dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`prefill_view`)
+
+    @property
+    def operand_dtype(self) -> str:
+        """The dtype the matmul rounds its operands to (the model seam's `operand_dtype`)."""
+        return self.dot_dtype
 
     @property
     def num_rows(self) -> int:

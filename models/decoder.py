@@ -307,6 +307,8 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     rope = Rotary(rope_inv_freq(cfg))
     options, kinds = attention_kinds(cfg)
     q_scale = cfg.query_scale
+    # a chunk's queries in bfloat16 where the matmuls dot in bfloat16: its attention dots so too (attention.Rows)
+    chunk_queries = jnp.bfloat16 if n_tok > 1 and weights.dots_in_bfloat16(params.layers) else None
 
     # Float leaves are sliced by the scan; quantized ones stay whole and are read at the layer index (no copy).
     sliced, whole = weights.split_stacked(params.layers)
@@ -319,11 +321,13 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
             q = rope(q, row_positions)
             if q_scale != 1.0:
                 q = q * jnp.asarray(q_scale, q.dtype)
+            if chunk_queries is not None:
+                q = q.astype(chunk_queries)
             q, k, v = to_held(q), to_held(k), to_held(v)
             branches = [functools.partial(seen.attend, layer, q, k, v, positions, rope, to_cache, window,
                                           softcap=cap) for window, cap in options]
             out, update = branches[0]() if len(branches) == 1 else jax.lax.switch(kind, branches)
-            return of_rows(out), update
+            return of_rows(out).astype(dtype), update
 
         return block(cfg, lp, x, attend)
 

@@ -6,7 +6,8 @@ defines the formats; the model never imports them, as it never imports a cache):
 - `w.matmul_t(x)`: `x [..., cols] @ M.T -> [..., rows]` for the matrix `M [rows, cols]` it stores row by row;
   `w.matmul_t_many(x, ws)` the same for every matrix of `ws` at once (they share the input);
 - `w.rows(ids)`: rows `M[ids] -> [..., cols]` (an embedding table);
-- `w.at_layer(layer)`: a stacked `[layers, rows, ...]` weight read at a (traced) layer index without slicing it.
+- `w.at_layer(layer)`: a stacked `[layers, rows, ...]` weight read at a (traced) layer index without slicing it;
+- `w.operand_dtype`: the dtype ('float32', 'bfloat16') its matmul rounds the operands to.
 A projection `W [in, out]` is stored as `M = W.T` (one row an output unit); an embedding table `E [vocab, hidden]`
 as `M = E`, so the tied output head is `matmul_t` of the same table.
 """
@@ -59,6 +60,14 @@ def table_rows(table, ids: jax.Array, dtype) -> jax.Array:
     if is_quantized(table):
         return table.rows(ids).astype(dtype)
     return table[ids].astype(dtype)
+
+
+def dots_in_bfloat16(layers) -> bool:
+    """Whether the stacked layer params' projections dot with bfloat16 operands: bfloat16 matrices, or quantized
+    ones whose `operand_dtype` is bfloat16 (bfloat16 weights under float32, a bfloat16 prefill view)."""
+    mats = [getattr(layers, f.name) for f in dataclasses.fields(layers)]
+    return any(w.operand_dtype == "bfloat16" if is_quantized(w) else w.ndim == 3 and w.dtype == jnp.bfloat16
+               for w in mats if w is not None)
 
 
 def split_stacked(layers):

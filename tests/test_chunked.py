@@ -209,6 +209,41 @@ def test_causal_tiles_equal_one_block_over_the_whole_chunk(tokens, window, softc
     assert np.abs(tiled - whole).transpose(0, 2, 1, 3)[real].max() <= 1e-5
 
 
+@pytest.mark.parametrize("tokens", [5, 40, 150])
+def test_a_chunk_of_bfloat16_queries_dots_in_bfloat16(tokens):
+    """Queries in bfloat16 (the model's matmuls dot in bfloat16): a chunk of at least DEQUANTIZE_ROWS rows a kv head
+    dots keys, values and probabilities in bfloat16 over every segment (quantized blocks, ring, its own tokens, in
+    causal tiles past NEW_TILE): within bfloat16 rounding of the dense reference and not its float32 answer; a shorter
+    one (a decode step's few rows) stays float32, as exact as float32 queries."""
+    batch = 2
+    k, v = random_kv(21, batch, 4 * R)
+    rng = np.random.RandomState(22)
+    cache = append_tokens(KIVICache.create(CFG, KIVI, batch, 4 * R + -(-tokens // R) * R), k, v,
+                          jnp.asarray([R + 9, 3 * R + 2]))
+    num_new = jnp.asarray([tokens, tokens - 2])
+    q = jnp.asarray(rng.randn(batch, tokens, CFG.num_heads, CFG.head_dim).astype(np.float32)).astype(jnp.bfloat16)
+    k_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    v_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    positions = cache.length[:, None] + jnp.arange(tokens)[None, :]
+    rows = attention.group_queries(q, positions, CFG.num_kv_heads)
+    many = tokens * (CFG.num_heads // CFG.num_kv_heads) >= attention.DEQUANTIZE_ROWS
+    assert rows.dot_dtype == (jnp.bfloat16 if many else jnp.float32)
+    real = np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None])
+    for layer in range(CFG.num_layers):
+        ref = dense_chunk_reference(q.astype(jnp.float32), cache, layer, k_new, v_new, num_new)
+        ours = attention.attend_kivi_xla(q, positions, cache.k, cache.v, layer, cache.k_ring[layer],
+                                         cache.v_ring[layer], cache.length, k_new, v_new, num_new, None)
+        assert ours.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(ours.astype(jnp.float32) - ref))[real].max()
+        scale = np.abs(np.asarray(ref))[real].max()
+        if many:
+            # keys, values and probabilities each rounded to 8 bits of mantissa, and random_kv's keys carry a x20
+            # outlier channel whose products round coarsest: 0.8-2.4% of the output's scale seen
+            assert 1e-4 * scale < err <= 4e-2 * scale, (layer, err, scale)
+        else:  # float32 dots; only the output's own rounding to bfloat16
+            assert err <= 2**-8 * scale, (layer, err, scale)
+
+
 def test_a_sequence_given_no_new_tokens_is_left_exactly_as_it_was():
     k, v = random_kv(15, 2, 2 * R)
     cache = append_tokens(KIVICache.create(CFG, KIVI, 2, 4 * R), k, v, jnp.asarray([R + 3, R + 7]))

@@ -302,6 +302,34 @@ def test_bfloat16_weights_under_a_float32_model():
     assert all_half.dtype == jnp.bfloat16 and weights.formats(all_half)["layers.wq"] == "bfloat16"
 
 
+def test_a_bfloat16_models_chunks_attend_in_bfloat16_and_its_decode_steps_do_not(monkeypatch):
+    """Where the projections dot in bfloat16 (bf16 weights under float32, a bfloat16 prefill view, a bfloat16
+    model) a prefill chunk's queries go to the cache in bfloat16, so its attention dots in bfloat16 too: its logits
+    move within bfloat16 rounding of float32 attention's; a decode step's (one new token) are float32's to the bit."""
+    from kivi_jax.cache import make_cache
+    from kivi_jax.models import weights as seam
+
+    params = init_params(tiny_cfg(tie_word_embeddings=False), jax.random.PRNGKey(3), std=0.1)
+    half = weights.convert_params(params, "bfloat16", jnp.float32)
+    assert seam.dots_in_bfloat16(half.layers) and not seam.dots_in_bfloat16(params.layers)
+    assert seam.dots_in_bfloat16(weights.prefill_view(params, "bfloat16").layers)
+    assert seam.dots_in_bfloat16(weights.convert_params(params, "bfloat16").layers)
+    assert not seam.dots_in_bfloat16(weights.convert_params(params, "int8").layers)
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 70)))
+
+    def run(*args):  # traced afresh (jit's cache would keep the first trace's choice)
+        return jax.jit(lambda *a: forward(*a))(*args)
+
+    chunk16, cache = run(half, toks, make_cache("kivi2", half.config, 2, 128))  # a 70-token chunk
+    step16, _ = run(half, toks[:, :1], cache)  # then one decode step from the cache it left
+    monkeypatch.setattr(seam, "dots_in_bfloat16", lambda layers: False)
+    chunk32, _ = run(half, toks, make_cache("kivi2", half.config, 2, 128))
+    step32, _ = run(half, toks[:, :1], cache)
+    err = np.abs(np.asarray(chunk16 - chunk32)).max()
+    assert 0 < err <= 2e-2 * np.abs(np.asarray(chunk32)).max(), err
+    np.testing.assert_array_equal(np.asarray(step16), np.asarray(step32))
+
+
 def test_quantized_checkpoint_roundtrips_exactly(tmp_path):
     params = weights.convert_params(init_params(tiny_cfg(tie_word_embeddings=False), jax.random.PRNGKey(1)),
                                     "int4-g32")
