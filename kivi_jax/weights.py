@@ -17,9 +17,10 @@ out]` is held as `M = W.T` (rows are output units, `transposed=True`), an embedd
 
 4-bit codes are two a byte in GGUF's layout: byte j of a group holds code j in its low nibble and code j + G/2 in its
 high one. GGUF blocks dequantize bit for bit as `gguf.quants.dequantize` does. A `bf16` matrix is a float one rounded to
-bfloat16 whose dot reads bfloat16 operands and sums in float32 (`bf16_dot`): float32 activations, norms, attention
-and cache around bfloat16 weights, at AMX's rate on a CPU that has it; its codes are the bits as uint16 because
-XLA:CPU widens a whole bfloat16 stack to float32 to slice a layer out of it, and not an integer one.
+bfloat16 whose dot reads bfloat16 operands and sums in float32 (`bf16_dot`): float32 activations, norms, a decode
+step's attention and the cache around bfloat16 weights (a prefill chunk's attention dots in bfloat16 too), at AMX's
+rate on a CPU that has it; its codes are the bits as uint16 because XLA:CPU widens a whole bfloat16 stack to float32
+to slice a layer out of it, and not an integer one.
 
 `matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.SPLIT_ROWS` rows of
 float32) the native kernel reads the codes once (`kivi_jax/native/matmul_cpu.cc`); otherwise (prefill chunks, GPU,
