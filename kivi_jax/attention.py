@@ -497,8 +497,16 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     valid = ((held >= main_end[:, None]) & (held >= num_sinks))[:, None, :]  # [batch, 1, R]; never-written slots < 0
     if window is not None:
         valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
-    state = state.update(masked(scores_of(rows, k_win), valid, softcap),
-                         lambda p: dense_values(p, v_win, rows.dot_dtype))
+    def ring(state: Softmax) -> Softmax:
+        return state.update(masked(scores_of(rows, k_win), valid, softcap),
+                            lambda p: dense_values(p, v_win, rows.dot_dtype))
+
+    # A chunk onto an empty ring (a prompt's first) skips it, exactly (an all-masked segment changes no state): a
+    # sixth of a 64-token chunk's time, docs/serving.md. A decode step always computes it (no test per layer).
+    if rows.q.shape[2] >= DEQUANTIZE_ROWS:
+        state = jax.lax.cond(jnp.any(valid), ring, lambda state: state, state)
+    else:
+        state = ring(state)
     state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
     return ungroup(state.result(), q.shape[1], q.dtype)
 

@@ -244,6 +244,29 @@ def test_a_chunk_of_bfloat16_queries_dots_in_bfloat16(tokens):
             assert err <= 2**-8 * scale, (layer, err, scale)
 
 
+@pytest.mark.parametrize("held", [0, 5])
+def test_a_chunk_onto_an_empty_ring_skips_it_exactly(held, monkeypatch):
+    """A chunk's ring segment runs under a condition (skipped while no row sees a ring token, as on a prompt's first
+    chunk): bit for bit what computing it gives, with the ring empty and with a few tokens in it."""
+    batch, tokens = 2, 70
+    k, v = random_kv(23, batch, 8)
+    cache = append_tokens(KIVICache.create(CFG, KIVI, batch, 4 * R), k, v, jnp.asarray([held, 0]))
+    rng = np.random.RandomState(24)
+    q = jnp.asarray(rng.randn(batch, tokens, CFG.num_heads, CFG.head_dim).astype(np.float32))
+    k_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    v_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
+    positions = cache.length[:, None] + jnp.arange(tokens)[None, :]
+
+    def run():
+        return np.asarray(attention.attend_kivi_xla(q, positions, cache.k, cache.v, 0, cache.k_ring[0],
+                                                    cache.v_ring[0], cache.length, k_new, v_new,
+                                                    jnp.asarray([tokens, 40]), None))
+
+    skipped = run()
+    monkeypatch.setattr(attention, "DEQUANTIZE_ROWS", 10**6)  # as a decode step: the ring always computed
+    np.testing.assert_array_equal(skipped, run())
+
+
 def test_a_sequence_given_no_new_tokens_is_left_exactly_as_it_was():
     k, v = random_kv(15, 2, 2 * R)
     cache = append_tokens(KIVICache.create(CFG, KIVI, 2, 4 * R), k, v, jnp.asarray([R + 3, R + 7]))
