@@ -2,7 +2,7 @@
 512) onto an empty kivi2 cache with bfloat16 weights under float32 compute; 'bfloat16' is the library as it is (the
 chunk's queries go to the cache in bfloat16 because the matmuls dot in bfloat16), 'float32' the same with
 `models.weights.dots_in_bfloat16` patched to False. The variants alternate, two rounds, ms medians of 3 after a
-compiling call (docs/serving.md, "A prefill chunk's attention in bfloat16").
+compiling call. docs/serving.md: "A prefill chunk's attention in bfloat16, an empty ring skipped".
 
     PYTHONPATH=. python scripts/bench_prefill_attention.py --json docs/bench/prefill_chunk_attention_ab.json
 """
