@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from kivi_jax import layout, quant, sharding
 
 BLOCK_TOKENS = 256  # tokens per block of the XLA path's loop (fastest on the 2-core CPU, see docs/benchmarks.md)
-DEQUANTIZE_ROWS = 64  # query rows (new tokens x query heads a kv head) from which stored blocks are dequantized
-# (and bfloat16 queries dot in bfloat16: `Rows.dot_dtype`)
+DEQUANTIZE_ROWS = 64  # query rows (new tokens x query heads a kv head) that make a chunk's many rows (`many_rows`)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -61,6 +60,12 @@ def gather_tokens(a: jax.Array, layer, rows: jax.Array) -> jax.Array:
 # Query rows and the online softmax
 
 
+def many_rows(rows: int) -> bool:
+    """Whether `rows` query rows a kv head are a prefill chunk's many, as against a decode step's few: its stored
+    blocks are dequantized once, bfloat16 queries dot in bfloat16 (`Rows.dot_dtype`), an empty ring is skipped."""
+    return rows >= DEQUANTIZE_ROWS
+
+
 class Rows(NamedTuple):
     """The new tokens' queries grouped by kv head: `q [batch, kv_heads, T * n_rep, head_dim]` float32, scaled by
     1/sqrt(head_dim); `pos [batch, T * n_rep]` the position of each row's token; `dot_dtype` the operands of their
@@ -73,13 +78,13 @@ class Rows(NamedTuple):
 
 def group_queries(q: jax.Array, positions: jax.Array, kv_heads: int) -> Rows:
     """q `[batch, T, q_heads, head_dim]`, positions `[batch, T]` -> `Rows` (row `t * n_rep + r`). A chunk of
-    bfloat16 queries with at least DEQUANTIZE_ROWS rows a kv head dots in bfloat16 (the model's matmuls do: a
-    bfloat16 prefill or bfloat16 weights, docs/serving.md); a decode step's few rows stay float32."""
+    bfloat16 queries (`many_rows`) dots in bfloat16 (the model's matmuls do: a bfloat16 prefill or bfloat16 weights,
+    docs/serving.md); a decode step's few rows stay float32."""
     batch, tokens, q_heads, head_dim = q.shape
     n_rep = q_heads // kv_heads
     qg = (q.astype(jnp.float32) * head_dim**-0.5).reshape(batch, tokens, kv_heads, n_rep, head_dim)
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, tokens * n_rep, head_dim)
-    bf16 = q.dtype == jnp.bfloat16 and tokens * n_rep >= DEQUANTIZE_ROWS
+    bf16 = q.dtype == jnp.bfloat16 and many_rows(tokens * n_rep)
     return Rows(qg, jnp.repeat(positions.astype(jnp.int32), n_rep, axis=1), jnp.bfloat16 if bf16 else jnp.float32)
 
 
@@ -472,7 +477,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
 
     # Many query rows (a prefill chunk's): each block is dequantized once and dotted densely; few (a decode step's):
     # the scales fold into q and p, which costs rows x groups instead of the block's tokens x head_dim
-    dense = rows.q.shape[2] >= DEQUANTIZE_ROWS and not int8_dots
+    dense = many_rows(rows.q.shape[2]) and not int8_dots
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)
@@ -497,13 +502,14 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     valid = ((held >= main_end[:, None]) & (held >= num_sinks))[:, None, :]  # [batch, 1, R]; never-written slots < 0
     if window is not None:
         valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
+
     def ring(state: Softmax) -> Softmax:
         return state.update(masked(scores_of(rows, k_win), valid, softcap),
                             lambda p: dense_values(p, v_win, rows.dot_dtype))
 
     # A chunk onto an empty ring (a prompt's first) skips it, exactly (an all-masked segment changes no state): a
     # sixth of a 64-token chunk's time, docs/serving.md. A decode step always computes it (no test per layer).
-    if rows.q.shape[2] >= DEQUANTIZE_ROWS:
+    if many_rows(rows.q.shape[2]):
         state = jax.lax.cond(jnp.any(valid), ring, lambda state: state, state)
     else:
         state = ring(state)

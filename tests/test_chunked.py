@@ -211,7 +211,7 @@ def test_causal_tiles_equal_one_block_over_the_whole_chunk(tokens, window, softc
 
 @pytest.mark.parametrize("tokens", [5, 40, 150])
 def test_a_chunk_of_bfloat16_queries_dots_in_bfloat16(tokens):
-    """Queries in bfloat16 (the model's matmuls dot in bfloat16): a chunk of at least DEQUANTIZE_ROWS rows a kv head
+    """Queries in bfloat16 (the model's matmuls dot in bfloat16): a chunk of many rows (`many_rows`)
     dots keys, values and probabilities in bfloat16 over every segment (quantized blocks, ring, its own tokens, in
     causal tiles past NEW_TILE): within bfloat16 rounding of the dense reference and not its float32 answer; a shorter
     one (a decode step's few rows) stays float32, as exact as float32 queries."""
@@ -226,7 +226,7 @@ def test_a_chunk_of_bfloat16_queries_dots_in_bfloat16(tokens):
     v_new = jnp.asarray(rng.randn(batch, tokens, CFG.num_kv_heads, CFG.head_dim).astype(np.float32))
     positions = cache.length[:, None] + jnp.arange(tokens)[None, :]
     rows = attention.group_queries(q, positions, CFG.num_kv_heads)
-    many = tokens * (CFG.num_heads // CFG.num_kv_heads) >= attention.DEQUANTIZE_ROWS
+    many = attention.many_rows(tokens * (CFG.num_heads // CFG.num_kv_heads))
     assert rows.dot_dtype == (jnp.bfloat16 if many else jnp.float32)
     real = np.asarray(jnp.arange(tokens)[None, :] < num_new[:, None])
     for layer in range(CFG.num_layers):
