@@ -211,10 +211,10 @@ def test_causal_tiles_equal_one_block_over_the_whole_chunk(tokens, window, softc
 
 @pytest.mark.parametrize("tokens", [5, 40, 150])
 def test_a_chunk_of_bfloat16_queries_dots_in_bfloat16(tokens):
-    """Queries in bfloat16 (the model's matmuls dot in bfloat16): a chunk of many rows (`many_rows`)
-    dots keys, values and probabilities in bfloat16 over every segment (quantized blocks, ring, its own tokens, in
-    causal tiles past NEW_TILE): within bfloat16 rounding of the dense reference and not its float32 answer; a shorter
-    one (a decode step's few rows) stays float32, as exact as float32 queries."""
+    """Queries in bfloat16 (the model's matmuls dot in bfloat16): a chunk of many rows (`many_rows`) dots keys,
+    values and probabilities in bfloat16 over every segment (quantized blocks, ring, its own tokens, in causal tiles
+    past NEW_TILE): within bfloat16 rounding of the dense reference and not its float32 answer; a shorter one (a
+    decode step's few rows) stays float32, as exact as float32 queries."""
     batch = 2
     k, v = random_kv(21, batch, 4 * R)
     rng = np.random.RandomState(22)
