@@ -89,9 +89,8 @@ def group_queries(q: jax.Array, positions: jax.Array, kv_heads: int) -> Rows:
 
 
 def scores_of(rows: Rows, keys: jax.Array) -> jax.Array:
-    """float32 scores `[batch, kv_heads, rows, tokens]` of `rows` against keys `[batch, kv_heads, tokens, D]`."""
-    if rows.dot_dtype == jnp.float32:
-        return jnp.einsum("bhrd,bhtd->bhrt", rows.q, keys, preferred_element_type=jnp.float32)
+    """float32 scores `[batch, kv_heads, rows, tokens]` of `rows` against keys `[batch, kv_heads, tokens, D]`, both
+    in `rows.dot_dtype` (float32: the keys widened as einsum would promote them)."""
     return jnp.einsum("bhrd,bhtd->bhrt", rows.q.astype(rows.dot_dtype), keys.astype(rows.dot_dtype),
                       preferred_element_type=jnp.float32)
 
