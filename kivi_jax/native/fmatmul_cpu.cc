@@ -36,32 +36,80 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Outputs [r0, r1) (whole 16s) of y [N, R] = x W^T for the packed activations xp ([C / 2, n16, 2]: input pairs by
-// n16 activation rows, zero past N; BMatmulImpl packs them) and the weights w [R, C] (C a multiple of 32) at row r0.
-inline void amx_block(const uint16_t* xp, int64_t N, int64_t n16, int64_t C, const uint16_t* w, float* y, int64_t R,
-                      int64_t r0, int64_t r1) {
+// The 16 x 16 matrix of 32-bit lanes r[0..15] (r[i] row i) transposed in place.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Activation rows [n0, n0 + 16) of x [N, C] float32 (bfloat16 values) as one B tile column: xp [n16 / 16][C / 2][16]
+// uint32 (a pair of inputs' bfloat16 bits by 16 activation rows; each tile's 16 pair rows contiguous), zero past N.
+inline void pack_rows(const float* x, int64_t N, int64_t C, int64_t n0, uint32_t* xp) {
+  uint32_t* dst = xp + n0 / 16 * (C / 2) * 16;
+  for (int64_t p0 = 0; p0 < C / 2; p0 += 16) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) {
+      if (n0 + i >= N) {
+        r[i] = _mm512_setzero_si512();
+        continue;
+      }
+      const float* src = x + (n0 + i) * C + 2 * p0;  // 32 inputs: their top halves, in order
+      const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(src), 16));
+      const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(src + 16), 16));
+      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    transpose16(r);  // r[j]: pair p0 + j of the 16 rows
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (p0 + j) * 16, r[j]);
+  }
+}
+
+// Outputs [r0, r1) (whole 16s) of y [N, R] = (x W^T) * scale for the packed activations xp (`pack_rows`) and the
+// weights w [R, C] (C a multiple of 32) at row r0: each accumulator (16 outputs by 16 activation rows) transposed
+// in registers and stored a row of 16 outputs at a time, scaled.
+inline void amx_block(const uint32_t* xp, int64_t N, int64_t n16, int64_t C, const uint16_t* w, const float* scale,
+                      float* y, int64_t R, int64_t r0, int64_t r1) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) float out[16 * 16];
+  const int64_t P = C / 2;
+  alignas(64) float out[4][16 * 16];
   for (int64_t r = r0; r < r1; r += 32) {
     const bool two = r + 32 <= r1;  // 32 outputs, else 16
     for (int64_t nb = 0; nb < n16; nb += 32) {
       const bool pair = nb + 16 < n16;  // 32 activation rows, else 16
+      const uint32_t* b0 = xp + nb / 16 * P * 16;
+      const uint32_t* b1 = b0 + P * 16;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t k = 0; k < C; k += 32) {
-        const uint16_t* b = xp + (k / 2 * n16 + nb) * 2;  // pair row k/2, activation nb
         _tile_loadd(4, w + (r - r0) * C + k, C * 2);
-        _tile_loadd(6, b, n16 * 4);
+        _tile_loadd(6, b0 + k / 2 * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (pair) {
-          _tile_loadd(7, b + 32, n16 * 4);
+          _tile_loadd(7, b1 + k / 2 * 16, 64);
           _tile_dpbf16ps(1, 4, 7);
         }
         if (two) {
@@ -70,17 +118,19 @@ inline void amx_block(const uint16_t* xp, int64_t N, int64_t n16, int64_t C, con
           if (pair) _tile_dpbf16ps(3, 5, 7);
         }
       }
-      for (int t = 0; t < 4; ++t) {
-        const int64_t ro = r + (t >= 2 ? 16 : 0), no = nb + (t & 1 ? 16 : 0);
+      _tile_stored(0, out[0], 64);  // the tile register is an immediate
+      if (pair) _tile_stored(1, out[1], 64);
+      if (two) _tile_stored(2, out[2], 64);
+      if (two && pair) _tile_stored(3, out[3], 64);
+      for (int t = 0; t < 4; ++t) {  // out[t][m][n]: output ro + m, activation row no + n
         if ((t >= 2 && !two) || ((t & 1) && !pair)) continue;
-        switch (t) {  // the tile register is an immediate
-          case 0: _tile_stored(0, out, 64); break;
-          case 1: _tile_stored(1, out, 64); break;
-          case 2: _tile_stored(2, out, 64); break;
-          default: _tile_stored(3, out, 64); break;
-        }
-        for (int m = 0; m < 16; ++m)  // out[m][n]: output ro + m, activation row no + n
-          for (int n = 0; n < 16 && no + n < N; ++n) y[(no + n) * R + ro + m] = out[m * 16 + n];
+        const int64_t ro = r + (t >= 2 ? 16 : 0), no = nb + (t & 1 ? 16 : 0);
+        __m512i v[16];
+        for (int m = 0; m < 16; ++m) v[m] = _mm512_load_si512(out[t] + m * 16);
+        transpose16(v);  // v[n]: outputs ro.. of activation row no + n
+        const __m512 s = _mm512_loadu_ps(scale + ro);
+        for (int n = 0; n < 16 && no + n < N; ++n)
+          _mm512_storeu_ps(y + (no + n) * R + ro, _mm512_mul_ps(_mm512_castsi512_ps(v[n]), s));
       }
     }
   }
@@ -189,16 +239,11 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   }
   const float* xp = x.typed_data();
 #if KIVI_AMX
-  // x's bfloat16 bits (its values are bfloat16's: the top half of each float) in pairs of inputs: [C / 2, n16, 2]
+  // x's bfloat16 bits (its values are bfloat16's: the top half of each float) as B tiles (`pack_rows`)
   const bool amx = C % 32 == 0 && amx_allowed();
   const int64_t n16 = (N + 15) / 16 * 16;
-  std::vector<uint16_t> packed(amx ? C * n16 : 0, 0);
-  for (int64_t n = 0; amx && n < N; ++n)
-    for (int64_t c = 0; c < C; ++c) {
-      uint32_t bits;
-      std::memcpy(&bits, xp + n * C + c, 4);
-      packed[(c / 2 * n16 + n) * 2 + c % 2] = (uint16_t)(bits >> 16);
-    }
+  std::vector<uint32_t> packed(amx ? C / 2 * n16 : 0);
+  for (int64_t n0 = 0; amx && n0 < n16; n0 += 16) pack_rows(xp, N, C, n0, packed.data());
 #endif
   parallel_for(pool, first[M], [&](int64_t it) {
     size_t i = 0;
@@ -209,9 +254,7 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 #if KIVI_AMX
     if (amx) {  // whole 16s of outputs in tiles, the rest below
       const int64_t r16 = r0 + (r1 - r0) / 16 * 16;
-      if (r16 > r0) amx_block(packed.data(), N, n16, C, a.w + r0 * C, a.y, a.R, r0, r16);
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t r = r0; r < r16; ++r) a.y[n * a.R + r] *= a.scale[r];
+      if (r16 > r0) amx_block(packed.data(), N, n16, C, a.w + r0 * C, a.scale, a.y, a.R, r0, r16);
       r0 = r16;
       if (r0 == r1) return;
     }
