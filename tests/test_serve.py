@@ -22,7 +22,7 @@ from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes
 from kivi_jax.config import parse_cache_spec
 from kivi_jax.sampling import Sampling, sample_tokens
 from kivi_jax.serve import engine as engine_mod
-from kivi_jax.sampling import sample_rows
+from kivi_jax.sampling import first_max, sample_rows
 from kivi_jax.runtime import held_back
 
 openai = pytest.importorskip("openai")
@@ -123,6 +123,26 @@ def test_per_row_sampler_is_argmax_for_greedy_rows_and_generates_draw_for_sample
     zeros = jnp.zeros(4)
     greedy = sample_rows(logits, keys, zeros, jnp.zeros(4, jnp.int32), jnp.ones(4))
     assert np.array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_first_max_is_argmax_for_ties_infinities_and_nans():
+    """The greedy choice's two-reduce argmax gives jnp.argmax's index for every row: ties (the first), -inf rows,
+    +inf, NaNs (the first NaN), a maximum at either end, random rows of a real vocabulary's width."""
+    rng = np.random.RandomState(1)
+    x = rng.randn(9, 49152).astype(np.float32)
+    x[0, [5, 7]] = 100.0  # a tie: the first
+    x[1] = -np.inf
+    x[2, [9, 3]] = np.nan  # the first NaN, even before a larger value
+    x[2, 1] = 1e30
+    x[3, [11, 2]] = np.inf
+    x[4, 0] = 50.0
+    x[5, -1] = 50.0
+    x[6] = 0.0
+    x[7, 100:] = np.nan
+    got = np.asarray(jax.jit(first_max)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    assert got.tolist() == np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)).tolist()
+    assert got[:8].tolist() == [5, 0, 3, 2, 0, 49151, 0, 100]
 
 
 @pytest.mark.parametrize("spec", ["full", SPEC])
