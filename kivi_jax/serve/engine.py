@@ -7,8 +7,9 @@ from a held prefix's cache when the prompt extends one), samples its first token
 request may take several slots (`n` choices): its prompt is prefilled once and the cache inserted into each. A step
 computes only the live slots: their rows, padded to a power of two (a bucket, one compilation each), go through the
 model's projections and MLP, and the attention of the other rows is skipped (`forward`'s `rows`; not on a mesh).
-With `decode_group` (by default 16 on a CPU, all slots elsewhere: `default_decode_group`) the slots are split into
-groups, each its own batch cache, and a step calls the one jitted decode once per group that holds a live slot.
+With `decode_group` (by default 16 on a CPU, 32 for bf16 weights on AMX, all slots elsewhere:
+`default_decode_group`) the slots are split into groups, each its own batch cache, and a step calls the one jitted
+decode once per group that holds a live slot.
 
 Every cache leaf is stacked `[layers, batch, ...]` or is `[batch]`; the batch axis of each leaf is derived once by
 comparing the shapes of a one-slot and a two-slot cache, so `insert` / `extract` work for any cache kind.
@@ -290,6 +291,18 @@ class Slot:
 
 CPU_DECODE_GROUP = 16  # slots a decode call covers on a CPU by default (docs/serving.md: at 72 kivi2 slots, 1 to 32
 # live, bucketed groups of 16 were faster than one bucketed group of all 72 slots, which won only at 64 live)
+CPU_DECODE_GROUP_AMX = 32  # ... where bf16 weights run through AMX tiles: a step of 32 rows costs far less than two
+# of 16 (docs/serving.md run 12: short's ITL p50 45 against 56-57 ms, long's tokens/s 66-67 against 60-62)
+
+
+def cpu_decode_group(params) -> int:
+    """The CPU's default decode group for these params: CPU_DECODE_GROUP_AMX where every matrix is `bf16` and the
+    native kernel runs AMX tiles for that many rows, else CPU_DECODE_GROUP."""
+    from kivi_jax import native
+    from kivi_jax.native import matmul
+
+    amx = weights.summary(params) == "bf16" and matmul.BF16_ROWS >= CPU_DECODE_GROUP_AMX and native.available()
+    return CPU_DECODE_GROUP_AMX if amx else CPU_DECODE_GROUP
 
 
 def default_prefill_tokens() -> int:
@@ -298,14 +311,15 @@ def default_prefill_tokens() -> int:
     return CPU_PREFILL_TOKENS if jax.default_backend() == "cpu" else PREFILL_TOKENS
 
 
-def default_decode_group(slots: int, data: int = 1) -> int:
+def default_decode_group(slots: int, data: int = 1, cpu_group: int = CPU_DECODE_GROUP) -> int:
     """The decode group when none is given: all slots in one step on an accelerator (a memory-bound step: extra rows
-    are nearly free), groups of CPU_DECODE_GROUP (a multiple of the mesh's data axis) on the CPU backend, where every
-    row of a step costs compute: a group's bucketed step computes only its live rows, but the cache's own per-row
-    work (the ring, the token-wise value quantization, the kernel's walk) still scales with the group's slots."""
-    if jax.default_backend() != "cpu" or slots <= CPU_DECODE_GROUP:
+    are nearly free), groups of `cpu_group` (`cpu_decode_group`; a multiple of the mesh's data axis) on the CPU
+    backend, where every row of a step costs compute: a group's bucketed step computes only its live rows, but the
+    cache's own per-row work (the ring, the token-wise value quantization, the kernel's walk) still scales with the
+    group's slots."""
+    if jax.default_backend() != "cpu" or slots <= cpu_group:
         return slots
-    return max(data, CPU_DECODE_GROUP // data * data)
+    return max(data, cpu_group // data * data)
 
 
 class Engine:
@@ -359,7 +373,8 @@ class Engine:
         # row (the bucket's gather would cross the data shards).
         self.buckets = buckets and mesh is None
         # a paged cache: one pool, so one group (its idle rows cost their ring, not their reservation)
-        group = slots if pages is not None else min(decode_group or default_decode_group(slots, data), slots)
+        default = default_decode_group(slots, data, cpu_decode_group(params))
+        group = slots if pages is not None else min(decode_group or default, slots)
         self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
         if any(n % data for _, n in self.groups):
             raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
