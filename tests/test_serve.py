@@ -132,7 +132,7 @@ def test_first_max_is_argmax_for_ties_infinities_and_nans():
     x = rng.randn(9, 49152).astype(np.float32)
     x[0, [5, 7]] = 100.0  # a tie: the first
     x[1] = -np.inf
-    x[2, [9, 3]] = np.nan  # the first NaN, even before a larger value
+    x[2, [9, 3]] = np.nan  # the first NaN, over a larger value before it
     x[2, 1] = 1e30
     x[3, [11, 2]] = np.inf
     x[4, 0] = 50.0

@@ -297,10 +297,13 @@ CPU_DECODE_GROUP_AMX = 32  # ... where bf16 weights run through AMX tiles: a ste
 
 def cpu_decode_group(params) -> int:
     """The CPU's default decode group for these params: CPU_DECODE_GROUP_AMX where every matrix is `bf16` and the
-    native kernel runs AMX tiles for that many rows, else CPU_DECODE_GROUP."""
+    native kernel runs AMX tiles for that many rows, else CPU_DECODE_GROUP (and on other backends, which decode all
+    slots in one step)."""
     from kivi_jax import native
     from kivi_jax.native import matmul
 
+    if jax.default_backend() != "cpu":
+        return CPU_DECODE_GROUP
     amx = weights.summary(params) == "bf16" and matmul.BF16_ROWS >= CPU_DECODE_GROUP_AMX and native.available()
     return CPU_DECODE_GROUP_AMX if amx else CPU_DECODE_GROUP
 
