@@ -95,7 +95,7 @@ def first_max(logits: jax.Array) -> jax.Array:
     """`jnp.argmax(logits, axis=-1)` as int32, the same index for every input (the first maximum; the first NaN where
     a row holds one): a max, then one min over each index, shifted below zero at a NaN (XLA:CPU's max may skip a NaN)
     so that a NaN comes first. XLA:CPU's argmax is one reduce over (value, index) pairs, twice the time of these two
-    plain reduces (2.3 against 1.2 ms for 32 rows of 49,152 logits)."""
+    plain reduces (2.3-2.5 against 1.4 ms for 32 rows of 49,152 logits)."""
     vocab = logits.shape[-1]
     top = jnp.max(logits, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

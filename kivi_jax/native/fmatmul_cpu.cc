@@ -60,7 +60,7 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Activation rows [n0, n0 + 16) of x [N, C] float32 (bfloat16 values) as one B tile column: xp [n16 / 16][C / 2][16]
+// Activation rows [n0, n0 + 16) of x [N, C] float32 (bfloat16 values) as their B tiles in xp [n16 / 16][C / 2][16]
 // uint32 (a pair of inputs' bfloat16 bits by 16 activation rows; each tile's 16 pair rows contiguous), zero past N.
 inline void pack_rows(const float* x, int64_t N, int64_t C, int64_t n0, uint32_t* xp) {
   uint32_t* dst = xp + n0 / 16 * (C / 2) * 16;
