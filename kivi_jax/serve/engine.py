@@ -376,8 +376,10 @@ class Engine:
         # row (the bucket's gather would cross the data shards).
         self.buckets = buckets and mesh is None
         # a paged cache: one pool, so one group (its idle rows cost their ring, not their reservation)
-        default = default_decode_group(slots, data, cpu_decode_group(params))
-        group = slots if pages is not None else min(decode_group or default, slots)
+        if pages is not None:
+            group = slots
+        else:  # the default only when none is given (finding it may build the native kernels)
+            group = min(decode_group or default_decode_group(slots, data, cpu_decode_group(params)), slots)
         self.groups = [(start, min(group, slots - start)) for start in range(0, slots, group)]  # (first slot, size)
         if any(n % data for _, n in self.groups):
             raise ValueError(f"slots={slots} in decode groups of {group}: every group must be a multiple of the mesh's "
