@@ -476,7 +476,8 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
 
     # Many query rows (a prefill chunk's): each block is dequantized once and dotted densely; few (a decode step's):
     # the scales fold into q and p, which costs rows x groups instead of the block's tokens x head_dim
-    dense = many_rows(rows.q.shape[2]) and not int8_dots
+    many = many_rows(rows.q.shape[2])
+    dense = many and not int8_dots
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = k_store.token_slice(start, block, layer)
@@ -508,7 +509,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
 
     # A chunk onto an empty ring (a prompt's first) skips it, exactly (an all-masked segment changes no state): a
     # sixth of a 64-token chunk's time, docs/serving.md. A decode step always computes it (no test per layer).
-    if many_rows(rows.q.shape[2]):
+    if many:
         state = jax.lax.cond(jnp.any(valid), ring, lambda state: state, state)
     else:
         state = ring(state)
