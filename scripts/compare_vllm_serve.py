@@ -103,6 +103,7 @@ def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
 # Prometheus series read from either server's /metrics: requests decoding now, preemptions so far
 LIVE_SERIES = ("kivi_serve_live_slots", "vllm:num_requests_running")
 PREEMPT_SERIES = ("kivi_serve_preemptions_total", "vllm:num_preemptions_total")
+BUSY_SERIES = ("prefill", "decode", "host")  # kivi-jax's scheduler seconds (kivi_serve_<part>_seconds_total)
 
 
 def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
@@ -141,8 +142,11 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
                     live.append(n)
                 done.wait(0.2)
 
+    busy = lambda http: {part: scrape(http, url, (f"kivi_serve_{part}_seconds_total",))  # noqa: E731
+                         for part in BUSY_SERIES}
     with httpx.Client() as http:
         preempted0 = scrape(http, url, PREEMPT_SERIES)
+        busy0 = busy(http)
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
 
@@ -162,6 +166,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     poller.join()
     with httpx.Client() as http:
         preempted1 = scrape(http, url, PREEMPT_SERIES)
+        busy1 = busy(http)
     ok = [r for r in results if r and r["status"] == 200 and r["arrivals"]]
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
@@ -170,7 +175,10 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     return {"requests": len(prompts), "ok": len(ok), "seconds": round(wall, 2), "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / wall, 2), "ttft_s_p50": pct(ttft, 50), "ttft_s_p99": pct(ttft, 99),
             "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99), "peak_live": int(max(live)) if live else None,
-            "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0))}
+            "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0)),
+            # kivi-jax only: the scheduler's seconds in admissions and prefill chunks, decode steps, token handling
+            **{f"{part}_s": (None if busy0[part] is None or busy1[part] is None else round(busy1[part] - busy0[part], 2))
+               for part in BUSY_SERIES}}
 
 
 def answers(url: str, prompts: list[str], new_tokens: int) -> list[str]:

@@ -99,8 +99,9 @@ def answer(q: queue.Queue) -> list[int]:
     return ids
 
 
-def reference(model, prompt, new):
-    return kivi_jax.generate(model, prompt, max_new_tokens=new, cache=SPEC, max_length=384, prefill_chunk=64).token_ids
+def reference(model, prompt, new, max_length=384):
+    return kivi_jax.generate(model, prompt, max_new_tokens=new, cache=SPEC, max_length=max_length,
+                             prefill_chunk=64).token_ids
 
 
 def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model):
@@ -111,7 +112,7 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     eng = Engine(model.params, SPEC, slots=8, max_length=384, prefill_chunk=64, prefill_tokens=256, decode_group=4)
     assert eng.prefill_shape(short[0]) == runtime.ChunkPlan(64, 1, 64) and eng.prefill_room(eng.prefill_shape(short[0])) == 4
     assert Engine(model.params, SPEC, slots=8, max_length=384).prefill_tokens == 512  # the CPU's default
-    sched = Scheduler(eng, model.tokenizer)
+    sched = Scheduler(eng, model.tokenizer, step_prefill_tokens=64)  # one chunk of 64 between two decode steps
     with sched.paused():  # all six wait before the loop runs, so they are batched
         sched.start()
         queued = [request(p, 24) for p in short]
@@ -138,6 +139,38 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     assert first[0] - steps >= 3  # a decode step of the others after each chunk but the last
     assert got == [reference(model, p, 24) for p in short]
     assert outs == [reference(model, short[0], 60), reference(model, short[1], 60), reference(model, long, 8)]
+
+
+def test_the_scheduler_prefills_its_token_budget_between_two_decode_steps(model):
+    """With a budget of 256 prompt tokens between two decode steps, a 400-token prompt (seven chunks of 64) arriving
+    while two requests decode is prefilled four chunks an iteration (then three), a decode step after each; the answers are
+    `generate` alone's, and /metrics' seconds count the loop's prefill and decode time."""
+    pair = prompts(8, [10, 20])
+    long = prompts(9, [400])[0]
+    eng = Engine(model.params, SPEC, slots=4, max_length=512, prefill_chunk=64, decode_group=4)
+    sched = Scheduler(eng, model.tokenizer, step_prefill_tokens=256)
+    queued = [request(p, 30) for p in pair]
+    for req, _ in queued:
+        sched.submit(req)
+    sched._iteration()  # the loop's thread is not started: one iteration at a time
+    assert eng.counters["prefill_calls"] == 1 and eng.count("live") == 2 and eng.counters["decode_steps"] == 1
+    lone = request(long, 8)
+    sched.submit(lone[0])
+    for calls, steps in ((4, 2), (7, 3)):  # four chunks and a decode step of the pair, then three and a step of all
+        sched._iteration()
+        assert eng.counters["prefill_calls"] == 1 + calls and eng.counters["decode_steps"] == steps
+    assert eng.count("live") == 3
+    with pytest.raises(ValueError, match="step_prefill_tokens=0"):
+        Scheduler(eng, step_prefill_tokens=0)
+    sched.start()
+    try:
+        outs = [answer(q) for _, q in queued + [lone]]
+    finally:
+        sched.stop()
+    assert outs == [reference(model, pair[0], 30, 512), reference(model, pair[1], 30, 512),
+                    reference(model, long, 8, 512)]
+    seconds = sched.metrics()
+    assert seconds["prefill_seconds"] > 0 and seconds["decode_seconds"] > 0 and seconds["host_seconds"] > 0
 
 
 @pytest.mark.parametrize("spec", [SPEC, "full", "int8", "kivi2+"])

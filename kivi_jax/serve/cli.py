@@ -13,6 +13,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     from kivi_jax.cli_args import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.cli_args import integer
     from kivi_jax.serve.engine import CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS
+    from kivi_jax.serve.scheduler import STEP_PREFILL_TOKENS
     from kivi_jax.weights import PREFILL_PRECISIONS
 
     add_model_args(p)
@@ -45,7 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     p.add_argument("--prefill-tokens", type=integer(1), default=None,
                    help=f"tokens a batched prefill call takes at most, prompts x chunk width (default "
                         f"{CPU_PREFILL_TOKENS} on a CPU, where more rows a call gain nothing, {PREFILL_TOKENS} on a "
-                        "GPU or TPU): a bound on the pause it puts between decode steps")
+                        "GPU or TPU): the size of one prefill call (--step-prefill-tokens bounds the calls between "
+                        "two decode steps)")
+    p.add_argument("--step-prefill-tokens", type=integer(1), default=STEP_PREFILL_TOKENS,
+                   help=f"prompt token rows prefilled between two decode steps at most (default {STEP_PREFILL_TOKENS}, "
+                        "vLLM's batch token budget; at least one prefill call): the longest pause waiting prompts put "
+                        "between the running requests' tokens")
     p.add_argument("--max-queue", type=integer(1), default=64, help="requests that may wait for a slot; past it: 503")
     p.add_argument("--decode-group", type=integer(1), default=None,
                    help="decode the slots in groups of this many, skipping groups with no live request; a group's "
@@ -116,6 +122,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         model_name=model_name or args.model, decode_group=args.decode_group, mesh=mesh,
                         max_body_bytes=body, shutdown_timeout=getattr(args, "shutdown_timeout", None),
                         prefill_batch=args.prefill_batch, prefill_tokens=args.prefill_tokens,
+                        step_prefill_tokens=args.step_prefill_tokens,
                         paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
                         prefix_snapshots=getattr(args, "prefix_snapshots", 0),
                         warmup=warmup if getattr(args, "warmup", None) is None else args.warmup,

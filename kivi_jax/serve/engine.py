@@ -61,7 +61,8 @@ DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFILL_BATCH = 8  # prompts prefilled together at most (in power-of-two row counts)
 PREFILL_TOKENS = 2048  # tokens a batched prefill call takes at most (rows x the chunk width) on a GPU or TPU
 CPU_PREFILL_TOKENS = 512  # ... and on a CPU, where a prefill is compute-bound: more rows a call gain nothing there
-# (docs/serving.md), so long prompts go one a call (still a chunk an iteration) and short ones up to 8 together
+# (docs/serving.md), so long prompts go one a call and short ones up to 8 together (the scheduler runs calls up to
+# its own budget between two decode steps, `scheduler.STEP_PREFILL_TOKENS`)
 
 FREE, LIVE, HELD, FILLING = "free", "live", "held", "filling"  # FILLING: reserved for a batched prefill in progress
 
@@ -275,6 +276,7 @@ class PrefillJob:
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
     cache: object = None
     taken: list = dataclasses.field(default_factory=list)  # per request: prefix snapshots `(length, cache)` taken
+    tokens_run: int = 0  # token rows its chunks computed so far (rows x each chunk's width)
 
 
 @dataclasses.dataclass
@@ -952,12 +954,13 @@ class Engine:
         """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and
         go live in their slots: returns their `Admitted` (in the job's order), else None."""
         job.last, job.cache = next(job.chunks)
+        shape = self.prefill_shape(job.requests[0].prompt)
+        job.tokens_run += job.rows * (shape.width if job.chunks_left > 1 else shape.tail)
         job.chunks_left -= 1
         self.counters["prefill_calls"] += 1
         if self.prefix_snapshots:  # each prompt's cache at this chunk end, if its prompt goes on past it
             if not job.taken:
                 job.taken = [[] for _ in job.requests]
-            shape = self.prefill_shape(job.requests[0].prompt)
             end = (shape.chunks - job.chunks_left) * shape.width
             for i, req in enumerate(job.requests):
                 if end < len(req.prompt):

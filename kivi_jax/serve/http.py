@@ -750,6 +750,11 @@ class API:
                     "requests_failed", "prompt_tokens", "completion_tokens", "prefill_tokens_computed",
                     "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows", "preemptions"]
         rows += [(f"{c}_total", "counter", c.replace("_", " "), m.get(c, 0)) for c in counters]
+        rows += [("prefill_seconds_total", "counter", "seconds the scheduler spent admitting and prefilling",
+                  m["prefill_seconds"]),
+                 ("decode_seconds_total", "counter", "seconds the scheduler spent in decode steps", m["decode_seconds"]),
+                 ("host_seconds_total", "counter", "seconds the scheduler spent on the decoded tokens (stop rules, "
+                  "text, events)", m["host_seconds"])]
         lines = []
         for name, kind, help_, value in rows:
             lines += [f"# HELP kivi_serve_{name} {help_}", f"# TYPE kivi_serve_{name} {kind}",

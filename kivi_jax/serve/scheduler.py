@@ -3,8 +3,10 @@ and incremental text. No HTTP here: a request carries an `emit` callback that re
 
 The thread loops: drop cancelled requests (freeing their slots), admit waiting requests into free slots (prefill and
 insert), then decode every live slot once. Plain requests are prefilled together (`Engine.start_prefill`: the oldest
-waiting one and those behind it whose prompts have its prefill shape, chunk width and count, as many as the engine's token budget takes), one
-chunk an iteration, so a long prompt shares the time with the running decodes instead of stalling them. Text is decoded from all of a request's tokens each step and only the part
+waiting one and those behind it whose prompts have its prefill shape, chunk width and count, as many as the engine's
+token budget takes), chunk by chunk, up to `step_prefill_tokens` token rows an iteration (a finished job making room
+for the next), so a long prompt shares the time with the running decodes instead of stalling them, and many waiting
+prompts are not held up by a decode step after every chunk. Text is decoded from all of a request's tokens each step and only the part
 that can no longer change is emitted (not a half multi-byte character, not the start of a stop string). `cancel` takes
 a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and ends the waiting ones,
 while the live ones decode on.
@@ -22,6 +24,8 @@ import traceback
 import uuid
 from typing import Callable
 
+import jax
+
 from kivi_jax.runtime import Stop, TextStream
 from kivi_jax.sampling import Sampling
 from kivi_jax.serve.engine import Admitted, Engine, Out, PrefillJob, Waiting
@@ -32,6 +36,11 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after 
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is averaged
 COUNTERS = ("requests_queued", "requests_rejected", "requests_finished", "requests_cancelled", "requests_failed",
             "prompt_tokens", "completion_tokens", "preemptions")
+SECONDS = ("prefill", "decode", "host")  # where the loop's time goes (/metrics): admissions and prefill chunks, the
+# decode steps, the rest (stop rules, text, events; the queue's wait when idle is not counted)
+STEP_PREFILL_TOKENS = 2048  # prompt token rows prefilled between two decode steps at most (at least one call): vLLM's
+# max_num_batched_tokens for this model on a CPU; more calls between steps stall the running streams longer but
+# spend fewer decode steps of few rows while many prompts wait (docs/serving.md, run 14)
 
 
 class QueueFull(RuntimeError):
@@ -156,10 +165,12 @@ def overflow_warning(spec: str, index: int) -> str:
 class Scheduler:
     """Owns the engine in its own thread; `submit` queues a request (or raises QueueFull at once)."""
 
-    def __init__(self, engine: Engine, tokenizer=None, max_queue: int = 64, hold_prefixes: bool = True):
-        if max_queue < 1:
-            raise ValueError(f"max_queue={max_queue} must be at least 1")
+    def __init__(self, engine: Engine, tokenizer=None, max_queue: int = 64, hold_prefixes: bool = True,
+                 step_prefill_tokens: int = STEP_PREFILL_TOKENS):
+        if max_queue < 1 or step_prefill_tokens < 1:
+            raise ValueError(f"max_queue={max_queue} and step_prefill_tokens={step_prefill_tokens} must be at least 1")
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
+        self.step_prefill_tokens = step_prefill_tokens
         self.hold_prefixes = hold_prefixes
         # A fast tokenizer must not encode and decode at once: the loop decodes with `tokenizer`, the HTTP side
         # encodes with its own copy, so a long prompt being tokenized never holds up the decode steps.
@@ -174,6 +185,7 @@ class Scheduler:
         self.job_requests: list[Request] = []  # its requests, in its order
         # every key exists from the start, so the HTTP thread can read while the loop counts (no dict resizes)
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
+        self.seconds = dict.fromkeys(SECONDS, 0.0)  # written by the loop only (whole floats: a reader sees one value)
         self._counters_lock = threading.Lock()  # both threads count (cancellations, rejections)
         self._recent = collections.deque()  # (time, tokens) of the last TOKENS_PER_S_WINDOW seconds
         self._recent_lock = threading.Lock()  # the HTTP thread reads it while the loop appends
@@ -271,7 +283,8 @@ class Scheduler:
 
     def metrics(self) -> dict:
         return {**self.engine.metrics(), "queue_length": self.queue_length(), "max_queue": self.max_queue,
-                "tokens_per_s": self.tokens_per_s(), **{k: v for k, v in self.counters.items()}}
+                "tokens_per_s": self.tokens_per_s(), **{k: v for k, v in self.counters.items()},
+                **{f"{k}_seconds": round(v, 3) for k, v in self.seconds.items()}}
 
     def encode(self, *args, **kwargs):
         with self.encoder_lock:
@@ -310,44 +323,64 @@ class Scheduler:
                     self.job, self.job_requests = None, []
 
     def _iteration(self) -> None:
+        """Cancellations, then admissions and prefill chunks up to `step_prefill_tokens` token rows (at least one
+        call; a job that finishes makes room for the next), then one decode step of every live slot."""
+        t0 = time.monotonic()
         for slot, (req, _) in list(self.active.items()):
             if req.cancelled.is_set():
                 del self.active[slot]
                 if not any(r is req for r, _ in self.active.values()):
                     self.count("requests_cancelled")  # before the slot shows free
                 self.engine.free(slot)
-        if self.job is None:
-            self._admit(block=not self.active)
-        if self.job is not None:
+        prefilled = 0
+        while True:
+            if self.job is None:
+                if not self.active and not prefilled:  # idle: wait a moment for a request (not counted as busy)
+                    with self._waiting_changed:
+                        if not self.waiting:
+                            self._waiting_changed.wait(0.05)
+                    t0 = time.monotonic()
+                self._admit()
+            if self.job is None:
+                break
+            before = self.job.tokens_run
+            job = self.job
             self._advance()
+            prefilled += job.tokens_run - before
+            if prefilled >= self.step_prefill_tokens:
+                break
+        if self.job is not None:  # its calls run asynchronously: their time is the prefill's, not the next step's
+            jax.block_until_ready(self.job.last)
+        t1 = time.monotonic()
+        self.seconds["prefill"] += t1 - t0
         if not self.active:
             return
         self._make_room()
         out = self.engine.step_scored()
+        t2 = time.monotonic()
+        self.seconds["decode"] += t2 - t1
         self._count_tokens(sum(not o.prompt for o in out.values()))
         for slot, o in out.items():
             if slot in self.active:  # a choice finished in this loop leaves its slot
                 req, choice = self.active[slot]
                 self._on_token(req, choice, slot, o)
+        self.seconds["host"] += time.monotonic() - t2
 
-    def _next_waiting(self, block: bool) -> Request | None:
+    def _next_waiting(self) -> Request | None:
         """The oldest waiting request if enough slots are not live for its choices, and a paged cache has their
         pages (it keeps its place if not)."""
         with self._waiting_changed:
-            if block and not self.waiting:
-                self._waiting_changed.wait(0.05)
             first = self.waiting[0] if self.waiting else None
             if first is not None and self.engine.can_admit(len(first.context), first.tokens_left, first.n,
                                                            first.score_prompt):
                 return self.waiting.popleft()
             return None
 
-    def _admit(self, block: bool) -> None:
+    def _admit(self) -> None:
         while self.engine.has_free_slot():
-            req = self._next_waiting(block)
+            req = self._next_waiting()
             if req is None:
                 return
-            block = False
             if req.cancelled.is_set():  # cancelled by its flag alone (`Request.cancel`), not through `cancel`
                 self.count("requests_cancelled")
                 continue

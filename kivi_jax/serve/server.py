@@ -7,7 +7,8 @@ import dataclasses
 from kivi_jax import sharding
 from kivi_jax.config import is_reference, parse_cache_spec, spec_name
 from kivi_jax.serve.engine import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, Engine, capacity_report, paged_capacity
-from kivi_jax.serve.scheduler import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, Scheduler  # noqa: F401
+from kivi_jax.serve.scheduler import (DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, STEP_PREFILL_TOKENS,  # noqa: F401
+                                      Scheduler)
 
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SLOTS = 8
@@ -59,7 +60,8 @@ class Server:
             return (f"cache {e.spec_name}, paged: {e.num_slots} rows of up to {e.max_length} tokens "
                     f"({format_bytes(c['row_bytes'])} a row), a pool of {c['pages']} pages of {c['page_tokens']} "
                     f"tokens ({format_bytes(c['page_bytes'])} a page), {format_bytes(e.cache_bytes)} in all; "
-                    f"prompts prefilled in chunks of {e.prefill_chunk} tokens; "
+                    f"prompts prefilled in chunks of {e.prefill_chunk} tokens, up to "
+                    f"{self.scheduler.step_prefill_tokens} tokens between two decode steps; "
                     + ("pages taken as sequences grow, the newest request preempted when the pool runs out" if e.grow
                        else "pages reserved for prompt and max_tokens at admission")
                     + (f"; up to {e.prefix_snapshots} prefix snapshots shared" if e.prefix_snapshots else ""))
@@ -75,6 +77,7 @@ class Server:
         line += f"; prompts prefilled in chunks of {e.prefill_chunk} tokens"
         if e.prefill_batch > 1:
             line += f", up to {e.prefill_batch} a call within {e.prefill_tokens} tokens"
+        line += f", up to {self.scheduler.step_prefill_tokens} tokens between two decode steps"
         if len(e.groups) > 1:
             line += f"; decoded in {len(e.groups)} groups of up to {e.groups[0][1]} slots"
         line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
@@ -87,7 +90,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
-                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32") -> Server:
+                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32",
+                 step_prefill_tokens: int = STEP_PREFILL_TOKENS) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -98,7 +102,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
     prompt prefixes kept for sharing (paged). `warmup`: the engine compiles its prefill shapes and decode buckets
     before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`). `prefill_precision`:
-    'bfloat16' rounds a prompt's prefill matmul operands to bfloat16 (`weights.prefill_view`)."""
+    'bfloat16' rounds a prompt's prefill matmul operands to bfloat16 (`weights.prefill_view`). `step_prefill_tokens`:
+    the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -120,7 +125,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                         prefix_snapshots=prefix_snapshots, prefill_precision=prefill_precision)
         if warmup:
             capacity["warmup"] = engine.warm_up()
-        scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
+        scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
         app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
         return Server(engine, scheduler, app, model_name, capacity)
     capacity = capacity_report(spec, params.config, max_length, params.dtype, cache_budget or 1, mesh)
@@ -144,6 +149,6 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                     prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision)
     if warmup:
         capacity["warmup"] = engine.warm_up()
-    scheduler = Scheduler(engine, tokenizer, max_queue=max_queue)
+    scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
     app = http.create_app(scheduler, model_name, max_body_bytes, shutdown_timeout)
     return Server(engine, scheduler, app, model_name, capacity)
