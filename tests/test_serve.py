@@ -215,6 +215,8 @@ def test_models_health_metrics(served):
     for name in ("kivi_serve_live_slots", "kivi_serve_queue_length", "kivi_serve_tokens_per_second",
                  "kivi_serve_cache_bytes_in_use"):
         float(lines[name])
+    busy = {part: float(lines[f"kivi_serve_{part}_seconds_total"]) for part in ("prefill", "decode", "host")}
+    assert all(seconds >= 0 for seconds in busy.values())
 
 
 def test_completion_streaming_and_not(model, client):

@@ -143,8 +143,8 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
 
 def test_the_scheduler_prefills_its_token_budget_between_two_decode_steps(model):
     """With a budget of 256 prompt tokens between two decode steps, a 400-token prompt (seven chunks of 64) arriving
-    while two requests decode is prefilled four chunks an iteration (then three), a decode step after each; the answers are
-    `generate` alone's, and /metrics' seconds count the loop's prefill and decode time."""
+    while two requests decode is prefilled four chunks an iteration (then three), a decode step after each; the
+    answers are `generate` alone's, and /metrics' seconds count the loop's prefill, decode and host time."""
     pair = prompts(8, [10, 20])
     long = prompts(9, [400])[0]
     eng = Engine(model.params, SPEC, slots=4, max_length=512, prefill_chunk=64, decode_group=4)

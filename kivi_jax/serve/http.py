@@ -752,7 +752,8 @@ class API:
         rows += [(f"{c}_total", "counter", c.replace("_", " "), m.get(c, 0)) for c in counters]
         rows += [("prefill_seconds_total", "counter", "seconds the scheduler spent admitting and prefilling",
                   m["prefill_seconds"]),
-                 ("decode_seconds_total", "counter", "seconds the scheduler spent in decode steps", m["decode_seconds"]),
+                 ("decode_seconds_total", "counter", "seconds the scheduler spent in decode steps",
+                  m["decode_seconds"]),
                  ("host_seconds_total", "counter", "seconds the scheduler spent on the decoded tokens (stop rules, "
                   "text, events)", m["host_seconds"])]
         lines = []

@@ -6,10 +6,10 @@ insert), then decode every live slot once. Plain requests are prefilled together
 waiting one and those behind it whose prompts have its prefill shape, chunk width and count, as many as the engine's
 token budget takes), chunk by chunk, up to `step_prefill_tokens` token rows an iteration (a finished job making room
 for the next), so a long prompt shares the time with the running decodes instead of stalling them, and many waiting
-prompts are not held up by a decode step after every chunk. Text is decoded from all of a request's tokens each step and only the part
-that can no longer change is emitted (not a half multi-byte character, not the start of a stop string). `cancel` takes
-a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and ends the waiting ones,
-while the live ones decode on.
+prompts are not held up by a decode step after every chunk. Text is decoded from all of a request's tokens each step
+and only the part that can no longer change is emitted (not a half multi-byte character, not the start of a stop
+string). `cancel` takes a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and
+ends the waiting ones, while the live ones decode on.
 """
 
 from __future__ import annotations
