@@ -39,8 +39,8 @@ COUNTERS = ("requests_queued", "requests_rejected", "requests_finished", "reques
 SECONDS = ("prefill", "decode", "host")  # where the loop's time goes (/metrics): admissions and prefill chunks, the
 # decode steps, the rest (stop rules, text, events; the queue's wait when idle is not counted)
 STEP_PREFILL_TOKENS = 2048  # prompt token rows prefilled between two decode steps at most (at least one call): vLLM's
-# max_num_batched_tokens for this model on a CPU; more calls between steps stall the running streams longer but
-# spend fewer decode steps of few rows while many prompts wait (docs/serving.md, run 14)
+# max_num_batched_tokens, its OpenAI server's default on a CPU; more calls between steps stall the running streams
+# longer but spend fewer decode steps of few rows while many prompts wait (docs/serving.md, runs 14 and 16)
 
 
 class QueueFull(RuntimeError):
