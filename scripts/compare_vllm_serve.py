@@ -103,7 +103,6 @@ def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
 # Prometheus series read from either server's /metrics: requests decoding now, preemptions so far
 LIVE_SERIES = ("kivi_serve_live_slots", "vllm:num_requests_running")
 PREEMPT_SERIES = ("kivi_serve_preemptions_total", "vllm:num_preemptions_total")
-BUSY_SERIES = ("prefill", "decode", "host")  # kivi-jax's scheduler seconds (kivi_serve_<part>_seconds_total)
 
 
 def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
@@ -129,6 +128,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     import numpy as np
 
     from kivi_jax.serve.loadtest import stream_one
+    from kivi_jax.serve.scheduler import SECONDS  # kivi-jax's busy seconds (kivi_serve_<part>_seconds_total)
 
     results = [None] * len(prompts)
     done = threading.Event()
@@ -143,7 +143,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
                 done.wait(0.2)
 
     busy = lambda http: {part: scrape(http, url, (f"kivi_serve_{part}_seconds_total",))  # noqa: E731
-                         for part in BUSY_SERIES}
+                         for part in SECONDS}
     with httpx.Client() as http:
         preempted0 = scrape(http, url, PREEMPT_SERIES)
         busy0 = busy(http)
@@ -178,7 +178,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
             "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0)),
             # kivi-jax only: the scheduler's seconds in admissions and prefill chunks, decode steps, token handling
             **{f"{part}_s": (None if busy0[part] is None or busy1[part] is None else round(busy1[part] - busy0[part], 2))
-               for part in BUSY_SERIES}}
+               for part in SECONDS}}
 
 
 def answers(url: str, prompts: list[str], new_tokens: int) -> list[str]:

@@ -272,6 +272,7 @@ class PrefillJob:
     slots: list[list[int]]  # reserved slots, one a choice, per request
     rows: int
     chunks: object  # the `runtime.prefill_steps` iterator
+    plan: ChunkPlan  # the prompts' chunks (one plan for all)
     chunks_left: int
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
     cache: object = None
@@ -920,7 +921,7 @@ class Engine:
         if not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
             raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
                              f"{len(requests)} of shapes {sorted(shapes)}")
-        chunks = shapes.pop().chunks
+        plan = shapes.pop()
         need = pages = 0
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints, r.max_tokens)
@@ -948,20 +949,20 @@ class Engine:
         cache = make_cache(self.spec, self.cfg, rows, self.max_length, self.dtype, self.impl)
         return PrefillJob(requests, slots, rows, prefill_steps(self.prefill_params, tokens, lengths, cache,
                                                                self.prefill_chunk),
-                          chunks)
+                          plan, plan.chunks)
 
     def advance(self, job: PrefillJob) -> list[Admitted] | None:
         """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and
         go live in their slots: returns their `Admitted` (in the job's order), else None."""
         job.last, job.cache = next(job.chunks)
-        shape = self.prefill_shape(job.requests[0].prompt)
-        job.tokens_run += job.rows * (shape.width if job.chunks_left > 1 else shape.tail)
+        plan = job.plan
+        job.tokens_run += job.rows * (plan.width if job.chunks_left > 1 else plan.tail)  # the call just run
         job.chunks_left -= 1
         self.counters["prefill_calls"] += 1
         if self.prefix_snapshots:  # each prompt's cache at this chunk end, if its prompt goes on past it
             if not job.taken:
                 job.taken = [[] for _ in job.requests]
-            end = (shape.chunks - job.chunks_left) * shape.width
+            end = (plan.chunks - job.chunks_left) * plan.width
             for i, req in enumerate(job.requests):
                 if end < len(req.prompt):
                     job.taken[i].append((end, extract_cache(job.cache, jnp.int32(i), self.axes)))

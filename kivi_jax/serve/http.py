@@ -33,7 +33,8 @@ from kivi_jax.serve import grammar as grammar_mod
 from kivi_jax.serve.engine import Out
 from kivi_jax.sampling import MAX_LOGPROBS, Sampling
 from kivi_jax.serve.scheduler import (DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, SHUTTING_DOWN,
-                                      TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler, ShuttingDown)
+                                      SECONDS, TOKENS_PER_S_WINDOW, Event, QueueFull, Request, Scheduler,
+                                      ShuttingDown)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -750,12 +751,7 @@ class API:
                     "requests_failed", "prompt_tokens", "completion_tokens", "prefill_tokens_computed",
                     "prefix_tokens_reused", "decode_steps", "prefill_calls", "prefill_rows", "preemptions"]
         rows += [(f"{c}_total", "counter", c.replace("_", " "), m.get(c, 0)) for c in counters]
-        rows += [("prefill_seconds_total", "counter", "seconds the scheduler spent admitting and prefilling",
-                  m["prefill_seconds"]),
-                 ("decode_seconds_total", "counter", "seconds the scheduler spent in decode steps",
-                  m["decode_seconds"]),
-                 ("host_seconds_total", "counter", "seconds the scheduler spent on the decoded tokens (stop rules, "
-                  "text, events)", m["host_seconds"])]
+        rows += [(f"{part}_seconds_total", "counter", help_, m[f"{part}_seconds"]) for part, help_ in SECONDS.items()]
         lines = []
         for name, kind, help_, value in rows:
             lines += [f"# HELP kivi_serve_{name} {help_}", f"# TYPE kivi_serve_{name} {kind}",

@@ -36,8 +36,11 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds running requests get to finish after 
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is averaged
 COUNTERS = ("requests_queued", "requests_rejected", "requests_finished", "requests_cancelled", "requests_failed",
             "prompt_tokens", "completion_tokens", "preemptions")
-SECONDS = ("prefill", "decode", "host")  # where the loop's time goes (/metrics): admissions and prefill chunks, the
-# decode steps, the rest (stop rules, text, events; the queue's wait when idle is not counted)
+SECONDS = {  # where the loop's time goes (/metrics `kivi_serve_<part>_seconds_total`); its idle waits count in none
+    "prefill": "seconds the scheduler spent admitting and prefilling (first draws and inserts included)",
+    "decode": "seconds the scheduler spent in decode steps",
+    "host": "seconds the scheduler spent on the decoded tokens (stop rules, text, events)",
+}
 STEP_PREFILL_TOKENS = 2048  # prompt token rows prefilled between two decode steps at most (at least one call): vLLM's
 # max_num_batched_tokens, its OpenAI server's default on a CPU; more calls between steps stall the running streams
 # longer but spend fewer decode steps of few rows while many prompts wait (docs/serving.md, runs 14 and 16)
