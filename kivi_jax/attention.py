@@ -130,11 +130,16 @@ class Softmax(NamedTuple):
         return self.acc / jnp.where(self.l > 0, self.l, 1.0)[..., None]
 
 
+def stored_range(pos: jax.Array, begin, end: jax.Array) -> jax.Array:
+    """`[batch, tokens]`: stored positions `pos [tokens]` in `[begin, end)` per sequence (`begin` a scalar or
+    `[batch]`)."""
+    return (pos[None, :] < end[:, None]) & (pos[None, :] >= jnp.asarray(begin).reshape(-1, 1))
+
+
 def stored_mask(pos: jax.Array, begin, end: jax.Array, rows: Rows, window: int | None) -> jax.Array:
     """`[batch, rows or 1, tokens]`: stored positions `pos [tokens]` in `[begin, end)` per sequence (`begin` a scalar
     or `[batch]`) and inside each row's sliding window. Stored tokens precede every new token: no causal test."""
-    ok = (pos[None, :] < end[:, None]) & (pos[None, :] >= jnp.asarray(begin).reshape(-1, 1))
-    ok = ok[:, None, :]
+    ok = stored_range(pos, begin, end)[:, None, :]
     if window is not None:
         ok = ok & (rows.pos[:, :, None] - pos[None, None, :] < window)
     return ok
@@ -146,6 +151,53 @@ def masked(scores: jax.Array, valid: jax.Array, softcap: float | None = None) ->
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     return jnp.where(valid[:, None], scores, -jnp.inf)
+
+
+def segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_pos: jax.Array, key_ok: jax.Array,
+            window: int | None, softcap: float | None = None, causal: bool = False, native: bool = False) -> Softmax:
+    """Adds keys and values `[batch, kv_heads, tokens, head_dim]` at positions `key_pos [batch or 1, tokens]` to the
+    rows' online softmax: a key counts where `key_ok [batch or 1, tokens]`, at or before the row when `causal` (new
+    tokens; stored ones precede every row), inside the sliding `window`. `native`: the C++ kernel computes it (a
+    chunk's bfloat16 rows on the CPU, `chunk_native`); this function's XLA path is its twin."""
+    def xla() -> Softmax:
+        valid = jnp.broadcast_to(key_ok, (rows.pos.shape[0], key_ok.shape[-1]))[:, None, :]  # [batch, 1, tokens]
+        if causal:
+            valid = valid & layout.visible(key_pos, rows.pos, window)
+        elif window is not None:
+            valid = valid & (rows.pos[:, :, None] - key_pos[:, None, :] < window)
+        return state.update(masked(scores_of(rows, keys), valid, softcap),
+                            lambda p: dense_values(p, values, rows.dot_dtype))
+
+    if not native:
+        return xla()
+
+    def kernel() -> Softmax:
+        from kivi_jax.native import attend
+
+        return Softmax(*attend.segment(state.m, state.l, state.acc, rows.q, rows.pos, keys, values, key_pos, key_ok,
+                                       window, causal))
+
+    return jax.lax.platform_dependent(cpu=kernel, default=xla)  # a program lowered for a GPU or TPU: XLA's
+
+
+def chunk_native(impl: str, rows: Rows, softcap: float | None) -> bool:
+    """Whether a chunk's segments take the native kernel: `auto` or `native` on the CPU backend with the kernels
+    built, bfloat16 rows (`Rows.dot_dtype`), no soft-cap, a head dim the kernel takes, no device mesh (XLA partitions
+    the XLA path); a forced `native` says why not."""
+    if impl not in ("auto", "native", "native-int8") or jax.default_backend() != "cpu":
+        return False
+    from kivi_jax import native
+    from kivi_jax.mesh_scope import active_mesh
+    from kivi_jax.native import attend
+
+    reason = attend.unsupported(rows.dot_dtype, rows.q.shape[-1], softcap)
+    if reason is None and active_mesh() is not None:
+        reason = "a device mesh is active"
+    if reason is None and not native.available():
+        reason = f"the native kernels are unavailable ({native.error()})"
+    if reason is not None and rows.dot_dtype == jnp.bfloat16:
+        fall_back(impl, f"a chunk's attention: {reason}")
+    return reason is None
 
 
 def blockwise(
@@ -181,13 +233,17 @@ def dense_values(p: jax.Array, v: jax.Array, dot_dtype=jnp.float32) -> jax.Array
 
 def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
                num_new: jax.Array, window: int | None, block: int = BLOCK_TOKENS,
-               softcap: float | None = None) -> Softmax:
+               softcap: float | None = None, native: bool = False) -> Softmax:
     """Adds the new tokens themselves, causally, in full precision: k_new, v_new `[batch, T, kv_heads, head_dim]` at
     `positions [batch, T]`, of which the first `num_new [batch]` are real. Up to `NEW_TILE` tokens in one block;
-    a longer chunk in query tiles, each reading only the keys at or before it (`causal_tiles`)."""
+    a longer chunk in query tiles, each reading only the keys at or before it (`causal_tiles`); `native`: all of
+    them in one call of the kernel, which skips what no row sees itself."""
     tokens = k_new.shape[1]
     k = jnp.swapaxes(k_new, 1, 2)  # [batch, kv_heads, T, head_dim]
     v = jnp.swapaxes(v_new, 1, 2)
+    real = jnp.arange(tokens)[None, :] < num_new[:, None]  # [batch, T]
+    if native:
+        return segment(state, rows, k, v, positions, real, window, causal=True, native=True)
     if tokens > NEW_TILE:
         return causal_tiles(state, rows, k, v, positions, num_new, window, softcap)
     block = block_size(tokens, 1, block)
@@ -197,9 +253,8 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
         vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
         idx = start + jnp.arange(block)
         pos = jax.lax.dynamic_slice_in_dim(positions, start, block, axis=1)  # [batch, block]
-        ok = layout.visible(pos, rows.pos, window)  # [batch, rows, block]
-        ok &= ((idx[None, :] < num_new[:, None]) & (idx[None, :] >= first_new))[:, None, :]
-        return state.update(masked(scores_of(rows, kb), ok, softcap), lambda p: dense_values(p, vb, rows.dot_dtype))
+        ok = (idx[None, :] < num_new[:, None]) & (idx[None, :] >= first_new)  # [batch, block]
+        return segment(state, rows, kb, vb, pos, ok, window, softcap, causal=True)
 
     if block == tokens:  # one block: no loop
         return step(state, 0, 0)
@@ -226,13 +281,11 @@ def causal_tiles(state: Softmax, rows: Rows, k: jax.Array, v: jax.Array, positio
     for a in range(0, tokens, tile):
         b = min(a + tile, tokens)
         r = slice(a * n_rep, b * n_rep)
-        q_pos = rows.pos[:, r]
-        ok = layout.visible(positions[:, :b], q_pos, window)  # [batch, tile rows, b]
-        ok &= (jnp.arange(b)[None, :] < num_new[:, None])[:, None, :]
-        scores = scores_of(rows._replace(q=rows.q[:, :, r]), k[:, :, :b])
         part = Softmax(state.m[:, :, r], state.l[:, :, r], state.acc[:, :, r])
-        outs.append(part.update(masked(scores, ok, softcap),
-                                lambda p, b=b: dense_values(p, v[:, :, :b], rows.dot_dtype)))
+        tile_rows = rows._replace(q=rows.q[:, :, r], pos=rows.pos[:, r])
+        real = jnp.arange(b)[None, :] < num_new[:, None]  # [batch, b]
+        outs.append(segment(part, tile_rows, k[:, :, :b], v[:, :, :b], positions[:, :b], real, window, softcap,
+                            causal=True))
     return Softmax(*(jnp.concatenate(x, axis=2) for x in zip(*outs)))
 
 
@@ -241,23 +294,26 @@ def causal_tiles(state: Softmax, rows: Rows, k: jax.Array, v: jax.Array, positio
 
 
 def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
-                    block: int = BLOCK_TOKENS, softcap: float | None = None) -> jax.Array:
+                    block: int = BLOCK_TOKENS, softcap: float | None = None, impl: str = "xla") -> jax.Array:
     """New tokens `q [batch, T, q_heads, head_dim]` at `positions [batch, T]` over one layer of a full-precision
     cache `[(layers,) batch, kv_heads, tokens, head_dim]` (or an 8-bit store, `stored_tokens`) holding `length [batch]` tokens, plus the new keys and
     values `[batch, T, kv_heads, head_dim]` (`num_new [batch]` real), scores soft-capped by `softcap` (None: not).
-    Returns `[batch, T, q_heads, head_dim]`."""
+    `impl`: a chunk's segments may take the native kernel (`chunk_native`; "xla": never). Returns `[batch, T,
+    q_heads, head_dim]`."""
     kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
     rows = group_queries(q, positions, kv_heads)
     block = block_size(num_tokens, getattr(k_cache, "block_multiple", 1), block)  # whole pages of a paged cache
+    native = chunk_native(impl, rows, softcap)
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = stored_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
         vb = stored_tokens(v_cache, layer, start, block)
-        valid = stored_mask(start + jnp.arange(block), first_new, length, rows, window)
-        return state.update(masked(scores_of(rows, kb), valid, softcap), lambda p: dense_values(p, vb, rows.dot_dtype))
+        pos = start + jnp.arange(block)
+        return segment(state, rows, kb, vb, pos[None, :], stored_range(pos, first_new, length), window, softcap,
+                       native=native)
 
     state = blockwise(Softmax.empty(rows.q), num_tokens, block, length, step)
-    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
+    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap, native)
     return ungroup(state.result(), q.shape[1], q.dtype)
 
 
@@ -422,14 +478,14 @@ def rotated(keys: jax.Array, pos: jax.Array, inv_freq: jax.Array | None) -> jax.
 
 
 def sink_tokens(state: Softmax, rows: Rows, k_sink: jax.Array, v_sink: jax.Array, length: jax.Array,
-                window: int | None, inv_freq: jax.Array | None, softcap: float | None = None) -> Softmax:
+                window: int | None, inv_freq: jax.Array | None, softcap: float | None = None,
+                native: bool = False) -> Softmax:
     """Adds the stored sink tokens `[0, min(S, length))` in full precision: k_sink, v_sink `[batch, kv_heads, S,
     head_dim]` of one layer (keys rotated here for a pre-RoPE cache)."""
     pos = jnp.arange(k_sink.shape[2], dtype=jnp.int32)
     keys = rotated(k_sink.astype(jnp.float32), pos[None, :], inv_freq)
-    valid = stored_mask(pos, 0, length, rows, window)
-    scores = masked(scores_of(rows, keys), valid, softcap)
-    return state.update(scores, lambda p: dense_values(p, v_sink.astype(jnp.float32), rows.dot_dtype))
+    return segment(state, rows, keys, v_sink.astype(jnp.float32), pos[None, :], stored_range(pos, 0, length), window,
+                   softcap, native=native)
 
 
 def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
@@ -450,7 +506,7 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
 
 def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
                     block: int = BLOCK_TOKENS, sinks=None, inv_freq=None, softcap: float | None = None,
-                    int8_dots: bool = False) -> jax.Array:
+                    int8_dots: bool = False, impl: str = "xla") -> jax.Array:
     """New tokens over one layer of a KIVI cache (docs/design.md §3, §7), blockwise with an online softmax.
 
     Four segments: the sink tokens (full precision, with `sinks`); tokens whose key and value are both quantized
@@ -461,8 +517,9 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     holds keys before RoPE (stores, ring, sinks), rotated here by their positions. q `[batch, T, q_heads, head_dim]`
     at `positions [batch, T]`; k_new (after RoPE), v_new `[batch, T, kv_heads, head_dim]`, the first `num_new
     [batch]` real; scores soft-capped by `softcap` (None: not); `int8_dots`: the quantized tokens dotted as the
-    native kernel's integer mode does (`quantized_scores`, `quantized_values` with the key group as the chunk).
-    Returns `[batch, T, q_heads, head_dim]` in q's dtype.
+    native kernel's integer mode does (`quantized_scores`, `quantized_values` with the key group as the chunk);
+    `impl`: a chunk's dense segments may take the native kernel (`chunk_native`; "xla": never). Returns `[batch, T,
+    q_heads, head_dim]` in q's dtype.
     """
     kv_heads, num_tokens = k_store.kv_heads, k_store.max_tokens
     residual = k_ring.shape[2]
@@ -471,8 +528,9 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
     block = block_size(num_tokens, max(k_store.block_multiple, v_store.block_multiple), block)  # whole groups, pages
     state = Softmax.empty(rows.q)
+    native = chunk_native(impl, rows, softcap)
     if num_sinks:
-        state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap)
+        state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap, native)
 
     # Many query rows (a prefill chunk's): each block is dequantized once and dotted densely; few (a decode step's):
     # the scales fold into q and p, which costs rows x groups instead of the block's tokens x head_dim
@@ -483,14 +541,15 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
         kb = k_store.token_slice(start, block, layer)
         vb = v_store.token_slice(start, block, layer)
         pos = start + jnp.arange(block)
+        if dense:
+            return segment(state, rows, rotated(dequantized(kb), pos[None, :], inv_freq), dequantized(vb),
+                           pos[None, :], stored_range(pos, jnp.maximum(first_new, num_sinks), main_end), window,
+                           softcap, native=native)
         valid = stored_mask(pos, jnp.maximum(first_new, num_sinks), main_end, rows, window)
-        if inv_freq is None and not dense:
+        if inv_freq is None:
             scores = quantized_scores(rows.q, kb, int8_dots)
         else:
             scores = scores_of(rows, rotated(dequantized(kb), pos[None, :], inv_freq))
-        if dense:
-            return state.update(masked(scores, valid, softcap),
-                                lambda p: dense_values(p, dequantized(vb), rows.dot_dtype))
         int8_chunk = k_store.group_size if int8_dots else 0
         return state.update(masked(scores, valid, softcap), lambda p: quantized_values(p, vb, int8_chunk))
 
@@ -499,21 +558,18 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     held = layout.ring_tokens(length, residual)  # [batch, R]
     k_win = rotated(window_tensor(k_store, layer, k_ring, held, length), held, inv_freq)
     v_win = window_tensor(v_store, layer, v_ring, held, length)
-    valid = ((held >= main_end[:, None]) & (held >= num_sinks))[:, None, :]  # [batch, 1, R]; never-written slots < 0
-    if window is not None:
-        valid = valid & (rows.pos[:, :, None] - held[:, None, :] < window)
+    in_ring = (held >= main_end[:, None]) & (held >= num_sinks)  # [batch, R]; never-written slots < 0
 
     def ring(state: Softmax) -> Softmax:
-        return state.update(masked(scores_of(rows, k_win), valid, softcap),
-                            lambda p: dense_values(p, v_win, rows.dot_dtype))
+        return segment(state, rows, k_win, v_win, held, in_ring, window, softcap, native=native)
 
     # A chunk onto an empty ring (a prompt's first) skips it, exactly (an all-masked segment changes no state): a
     # sixth of a 64-token chunk's time, docs/serving.md. A decode step always computes it (no test per layer).
     if many:
-        state = jax.lax.cond(jnp.any(valid), ring, lambda state: state, state)
+        state = jax.lax.cond(jnp.any(in_ring), ring, lambda state: state, state)
     else:
         state = ring(state)
-    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap)
+    state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap, native)
     return ungroup(state.result(), q.shape[1], q.dtype)
 
 
@@ -604,7 +660,7 @@ def attend_full(impl: str, q, positions, k_cache, v_cache, layer, length, k_new,
     if q.shape[1] == 1:
         return decode_full(impl, q, k_cache, v_cache, layer, length, k_new, v_new, window, softcap)
     return attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new, num_new, window,
-                           softcap=softcap)
+                           softcap=softcap, impl=impl)
 
 
 def attend_kivi(impl: str, q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
@@ -616,7 +672,7 @@ def attend_kivi(impl: str, q, positions, k_store, v_store, layer, k_ring, v_ring
                            inv_freq, softcap)
     k_ring, v_ring, sinks = one_layer(layer, k_ring, v_ring, sinks)
     return attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new,
-                           window, sinks=sinks, inv_freq=inv_freq, softcap=softcap)
+                           window, sinks=sinks, inv_freq=inv_freq, softcap=softcap, impl=impl)
 
 
 def one_layer(layer, k_ring, v_ring, sinks):

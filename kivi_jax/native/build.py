@@ -1,5 +1,5 @@
-"""Build, cache, load and register the C++ CPU kernels (XLA FFI handlers in `decode_cpu.cc`, `matmul_cpu.cc` and
-`fmatmul_cpu.cc`).
+"""Build, cache, load and register the C++ CPU kernels (XLA FFI handlers in `decode_cpu.cc`, `matmul_cpu.cc`,
+`fmatmul_cpu.cc` and `attend_cpu.cc`).
 
 On first use the sources are compiled with the system C++ compiler (`$CXX`, else `g++`, else `c++`) against the FFI
 headers jaxlib ships (`jax.ffi.include_dir()`): `-O3 -march=native -shared -fPIC -std=c++17`, or without
@@ -28,11 +28,13 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc", HERE / "fmatmul_cpu.cc")  # compiled into one library
-HEADERS = (HERE / "simd.h", HERE / "gemm.h")
+SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc", HERE / "fmatmul_cpu.cc",
+           HERE / "attend_cpu.cc")  # compiled into one library
+HEADERS = (HERE / "simd.h", HERE / "gemm.h", HERE / "amx.h")
 TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode",
            "kivi_jax_eight_decode": "KiviJaxEightDecode", "kivi_jax_qmatmul": "KiviJaxQMatmul",
-           "kivi_jax_fmatmul": "KiviJaxFMatmul", "kivi_jax_bmatmul": "KiviJaxBMatmul"}
+           "kivi_jax_fmatmul": "KiviJaxFMatmul", "kivi_jax_bmatmul": "KiviJaxBMatmul",
+           "kivi_jax_chunk_attend": "KiviJaxChunkAttend"}
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")
@@ -57,6 +59,12 @@ def cpu_features() -> str:
         return platform.machine() + " " + platform.processor()
     pick = lambda key: next((l.split(":", 1)[1].strip() for l in lines if l.split(":")[0].strip() == key), "")
     return " ".join((platform.machine(), pick("model name"), pick("flags") or pick("Features")))
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles with bfloat16 (what the bfloat16 kernels' fast paths need)."""
+    flags = cpu_features().split()
+    return "amx_bf16" in flags and "amx_tile" in flags
 
 
 def compiler() -> str:

@@ -8,57 +8,15 @@
 // activation rows over its block (gemm.h), the first tile reading the block's weights from memory, the others from
 // cache, so each weight is read from memory once per call whatever the rows.
 
+#include "amx.h"
 #include "gemm.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define KIVI_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
 #if KIVI_AMX
 // AMX for bfloat16 weights: y^T = M x^T in tiles, weights as the A operand (16 output rows by 32 inputs, each row
 // read where it lies), the activations packed once a call as the B operand (input pairs by 16 activation rows), four
-// 16 x 16 float32 accumulators (32 outputs by 32 activation rows). The kernel must first be allowed the tile state.
-bool amx_allowed() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// The 16 x 16 matrix of 32-bit lanes r[0..15] (r[i] row i) transposed in place.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
-      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
+// 16 x 16 float32 accumulators (32 outputs by 32 activation rows), each run after `amx_allowed()` (amx.h).
 
 // Activation rows [n0, n0 + 16) of x [N, C] float32 (bfloat16 values) as their B tiles in xp [n16 / 16][C / 2][16]
 // uint32 (a pair of inputs' bfloat16 bits by 16 activation rows; each tile's 16 pair rows contiguous), zero past N.
@@ -86,12 +44,7 @@ inline void pack_rows(const float* x, int64_t N, int64_t C, int64_t n0, uint32_t
 // in registers and stored a row of 16 outputs at a time, scaled.
 inline void amx_block(const uint32_t* xp, int64_t N, int64_t n16, int64_t C, const uint16_t* w, const float* scale,
                       float* y, int64_t R, int64_t r0, int64_t r1) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  load_square_tiles();
   const int64_t P = C / 2;
   alignas(64) float out[4][16 * 16];
   for (int64_t r = r0; r < r1; r += 32) {

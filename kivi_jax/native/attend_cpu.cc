@@ -1,0 +1,500 @@
+// A prefill chunk's attention segment on the CPU, an XLA FFI handler (docs/kernels.md "Chunk attention"). Its
+// contract is kivi_jax.attention.segment's XLA path with bfloat16 dots: query rows q [B, H, R, D] (scaled, grouped
+// by kv head) at positions q_pos [B, R] add keys and values k, v [B, H, T, D] at positions k_pos [B, T], those with
+// k_ok [B, T] set, to their online softmax (m, l [B, H, R], acc [B, H, R, D], updated in place): a key counts for a
+// row when it is ok, at or before the row's position (`causal`) and less than `window` positions before it (0: no
+// window). q, k, p and v are rounded to bfloat16 and their products summed in float32, as XLA's bfloat16 dots do;
+// scores, the softmax and its sums stay float32.
+//
+// Work items are (sequence, kv head, 32 query rows), shared out on XLA's intra-op pool; an item walks the keys 64 at
+// a time, skipping a step none of whose keys any of its rows sees (the causal upper triangle, the window, keys not
+// ok), flash-attention style and transposed, so that every softmax operation runs down AVX-512 lanes of 16 rows
+// (no reduction across lanes): scores S^T = K Q^T in AMX tiles (keys by rows), the softmax a key at a time, then
+// acc^T += V^T P^T in AMX tiles onto the item's float32 accumulator (channels by rows). Keys (row-major) and values
+// (transposed) are packed as bfloat16 once a call. Without AMX (or with amx=0) the dots run scalar loops (tests,
+// other CPUs).
+
+#include "amx.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t ROWS = 32;   // query rows a work item (two groups of 16 lanes)
+constexpr int64_t KEYS = 64;   // keys a step (two blocks of 32)
+constexpr int64_t TILE = 512;  // bfloat16s a packed tile (16 rows of 32)
+// A row's reference m (its probabilities are exp(score - m)) moves up to its max only when a score passes it by more
+// than this, so that the accumulator is rarely rescaled; probabilities stay below e^RESCALE (bfloat16 rounds them
+// relatively: no precision is lost), and acc / l, what the softmax is, does not depend on m.
+constexpr float RESCALE = 8.f;
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even, as XLA converts float32 to bfloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+inline float bf16_value(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Segment {
+  int64_t B, H, R, T, D, steps, window;
+  bool causal, amx;
+  const float *q, *k, *v;
+  const int32_t *q_pos, *k_pos, *k_ok;
+  float *m, *l, *acc;
+  // keys and values of (b, h), bfloat16, zero past T: kp [T'][D] row-major (T' = steps * KEYS); vt in blocks j of 32
+  // keys and c of 16 channels, vt[(j * (D / 16) + c) * TILE + dd * 32 + n] = v[32 j + n][16 c + dd]
+  std::vector<uint16_t> kp, vt;
+  // per (b, step): which of its keys are ok (bit n: key KEYS s + n), and the least and greatest position among them
+  std::vector<uint64_t> ok_bits;
+  std::vector<int32_t> lo, hi;
+
+  int64_t packed() const { return steps * KEYS * D; }  // bfloat16s of one (b, h)'s keys (or values)
+};
+
+// One item's working set: its rows' bfloat16 queries (row-major, and for AMX as B tiles: qt[(g * (D / 32) + c) *
+// TILE + kk * 32 + n * 2 + e] = q[16 g + n][32 c + 2 kk + e]), the step's scores S^T [KEYS][ROWS], its
+// probabilities as B tiles pt[(g * 2 + jq) * TILE + kk * 32 + n * 2 + e] = p[row 16 g + n][key 32 jq + 2 kk + e],
+// and the accumulator acc^T [D][ROWS].
+struct Item {
+  std::vector<uint16_t> qb, qt, pt;
+  std::vector<float> st, acct;
+  alignas(64) float m[ROWS], l[ROWS];
+  alignas(64) int32_t qpos[ROWS];
+  explicit Item(int64_t D)
+      : qb(ROWS * D, 0), qt(ROWS * D, 0), pt(4 * TILE, 0), st(KEYS * ROWS, 0.f), acct(D * ROWS, 0.f) {}
+};
+
+#if KIVI_AMX && defined(__AVX512BF16__)
+constexpr bool VECTOR_PACK = true;
+
+inline __m512i bf16_pairs(const float* x) {  // 32 floats -> their bfloat16s in order (16 words of two)
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+}
+
+inline __m512i bf16_words(const float* x) {  // 16 floats -> their bfloat16s, each in the low half of a word
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
+}
+
+void pack(Segment& a, int64_t bh) {
+  const int64_t D = a.D, T = a.T, blocks = a.steps * KEYS / 32;
+  const float* k = a.k + bh * T * D;
+  const float* v = a.v + bh * T * D;
+  uint16_t* kp = a.kp.data() + bh * a.packed();
+  uint16_t* vt = a.vt.data() + bh * a.packed();
+  for (int64_t i = 0; i < T * D; i += 32) _mm512_storeu_si512(kp + i, bf16_pairs(k + i));
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t c = 0; c < D / 16; ++c) {
+      __m512i r[16];  // r[kk]: (key 2 kk, key 2 kk + 1) of each of 16 channels; transposed, r[dd]: channel dd's keys
+      for (int64_t kk = 0; kk < 16; ++kk) {
+        const int64_t t = 32 * j + 2 * kk;
+        const __m512i even = t < T ? bf16_words(v + t * D + 16 * c) : _mm512_setzero_si512();
+        const __m512i odd = t + 1 < T ? bf16_words(v + (t + 1) * D + 16 * c) : _mm512_setzero_si512();
+        r[kk] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+      }
+      transpose16(r);
+      for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(vt + (j * (D / 16) + c) * TILE + dd * 32, r[dd]);
+    }
+}
+#else
+constexpr bool VECTOR_PACK = false;
+
+void pack(Segment& a, int64_t bh) {
+  const int64_t D = a.D, T = a.T, blocks = a.steps * KEYS / 32;
+  const float* k = a.k + bh * T * D;
+  const float* v = a.v + bh * T * D;
+  uint16_t* kp = a.kp.data() + bh * a.packed();
+  uint16_t* vt = a.vt.data() + bh * a.packed();
+  for (int64_t i = 0; i < T * D; ++i) kp[i] = bf16_bits(k[i]);
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t n = 0; n < 32 && 32 * j + n < T; ++n)
+      for (int64_t d = 0; d < D; ++d)
+        vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n] = bf16_bits(v[(32 * j + n) * D + d]);
+}
+#endif
+
+void key_steps(Segment& a, int64_t b) {
+  for (int64_t s = 0; s < a.steps; ++s) {
+    uint64_t bits = 0;
+    int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+    for (int64_t n = 0; n < KEYS && s * KEYS + n < a.T; ++n) {
+      const int64_t t = b * a.T + s * KEYS + n;
+      if (!a.k_ok[t]) continue;
+      bits |= uint64_t{1} << n;
+      lo = std::min(lo, a.k_pos[t]);
+      hi = std::max(hi, a.k_pos[t]);
+    }
+    a.ok_bits[b * a.steps + s] = bits;
+    a.lo[b * a.steps + s] = lo;
+    a.hi[b * a.steps + s] = hi;
+  }
+}
+
+// S^T [KEYS][ROWS] of step s: key t's scores against every row
+void scores_scalar(const Segment& a, const Item& it, const uint16_t* kp, int64_t s, float* st) {
+  const int64_t D = a.D;
+  for (int64_t n = 0; n < KEYS; ++n) {
+    const uint16_t* key = kp + (s * KEYS + n) * D;
+    for (int64_t i = 0; i < ROWS; ++i) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < D; ++d) sum += bf16_value(it.qb[i * D + d]) * bf16_value(key[d]);
+      st[n * ROWS + i] = sum;
+    }
+  }
+}
+
+// acc^T [D][ROWS] += V^T P^T of step s (the probabilities from the B tiles `pt`)
+void values_scalar(const Segment& a, Item& it, const uint16_t* vt, int64_t s) {
+  const int64_t D = a.D;
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t i = 0; i < ROWS; ++i) {
+      float sum = 0.f;
+      for (int64_t n = 0; n < KEYS; ++n) {
+        const int64_t j = s * KEYS / 32 + n / 32, n32 = n % 32;
+        const uint16_t p = it.pt[(i / 16 * 2 + n / 32) * TILE + (n32 / 2) * 32 + (i % 16) * 2 + n32 % 2];
+        sum += bf16_value(p) * bf16_value(vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n32]);
+      }
+      it.acct[d * ROWS + i] += sum;
+    }
+}
+
+#if KIVI_AMX
+void scores_amx(const Segment& a, const Item& it, const uint16_t* kp, int64_t s, float* st) {
+  const int64_t D = a.D, C = D / 32;
+  for (int64_t jq = 0; jq < KEYS / 32; ++jq) {
+    const uint16_t* keys = kp + (s * KEYS + 32 * jq) * D;
+    _tile_zero(0);  // keys 0..15 by rows 0..15
+    _tile_zero(1);  // keys 0..15 by rows 16..31
+    _tile_zero(2);  // keys 16..31 by rows 0..15
+    _tile_zero(3);  // keys 16..31 by rows 16..31
+    for (int64_t c = 0; c < C; ++c) {
+      _tile_loadd(4, keys + 32 * c, D * 2);
+      _tile_loadd(5, keys + 16 * D + 32 * c, D * 2);
+      _tile_loadd(6, it.qt.data() + c * TILE, 64);
+      _tile_loadd(7, it.qt.data() + (C + c) * TILE, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* out = st + 32 * jq * ROWS;
+    _tile_stored(0, out, ROWS * 4);
+    _tile_stored(1, out + 16, ROWS * 4);
+    _tile_stored(2, out + 16 * ROWS, ROWS * 4);
+    _tile_stored(3, out + 16 * ROWS + 16, ROWS * 4);
+  }
+}
+
+void values_amx(const Segment& a, Item& it, const uint16_t* vt, int64_t s) {
+  // four accumulator tiles at once (channel blocks c, c + 1 by the two groups of rows), so that the dots of one
+  // accumulator do not wait on each other; the probabilities' tiles are read again for each pair of channel blocks
+  static_assert(KEYS == 64, "two blocks of 32 keys a step");
+  const int64_t C = a.D / 16;
+  for (int64_t c = 0; c < C; c += 2) {
+    float* acc = it.acct.data() + 16 * c * ROWS;
+    _tile_loadd(0, acc, ROWS * 4);  // channels 16 c.. by rows 0..15
+    _tile_loadd(1, acc + 16, ROWS * 4);  // by rows 16..31
+    _tile_loadd(2, acc + 16 * ROWS, ROWS * 4);  // channels 16 (c + 1).. by rows 0..15
+    _tile_loadd(3, acc + 16 * ROWS + 16, ROWS * 4);
+    for (int64_t jq = 0; jq < 2; ++jq) {
+      const uint16_t* vj = vt + (s * 2 + jq) * C * TILE;
+      _tile_loadd(4, vj + c * TILE, 64);
+      _tile_loadd(5, vj + (c + 1) * TILE, 64);
+      _tile_loadd(6, it.pt.data() + jq * TILE, 64);  // rows 0..15, keys 32 jq..
+      _tile_loadd(7, it.pt.data() + (2 + jq) * TILE, 64);  // rows 16..31
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc, ROWS * 4);
+    _tile_stored(1, acc + 16, ROWS * 4);
+    _tile_stored(2, acc + 16 * ROWS, ROWS * 4);
+    _tile_stored(3, acc + 16 * ROWS + 16, ROWS * 4);
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// exp(x) for x <= RESCALE (a score less the row's reference): 2^(x log2 e) as 2^n (vscalefps) times 2^f, f in
+// [-1/2, 1/2], by its Taylor polynomial of degree 6 (relative error below 2e-7, under a bfloat16 probability's
+// rounding by four orders); x below -100 (-inf included) counts as -100, whose exp is 0 to float32.
+inline __m512 exp_small(__m512 x) {
+  const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945f));  // in [-ln2/2, ln2/2]
+  __m512 r = _mm512_set1_ps(1.0f / 720);
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f / 120));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f / 24));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f / 6));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.5f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(r, n);
+}
+
+// The online-softmax update of rows [16 g, 16 g + 16) by step s's scores (S^T in `it.st`), a key at a time down the
+// rows' lanes: their max, the rescale of their sums and accumulators, the probabilities into the B tiles `it.pt`.
+// `seen`: the step's ok keys; `kq` their positions.
+inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint64_t seen, const int32_t* kq) {
+  const __m512i qv = _mm512_load_si512(it.qpos + 16 * g);
+  const __mmask16 live = nr >= 16 * (g + 1) ? 0xffff : nr > 16 * g ? (__mmask16)((1u << (nr - 16 * g)) - 1) : 0;
+  const __m512i win = _mm512_set1_epi32((int32_t)std::min<int64_t>(a.window, std::numeric_limits<int32_t>::max()));
+  __mmask16 on[KEYS];
+  __m512 top[4];  // four running maxima, so that the loop is not one chain of dependent maxes
+  for (int i = 0; i < 4; ++i) top[i] = _mm512_set1_ps(NEG_INF);
+  for (int64_t n = 0; n < KEYS; ++n) {
+    __mmask16 ok = (seen >> n & 1u) ? live : 0;
+    if (ok && a.causal) ok &= _mm512_cmpge_epi32_mask(qv, _mm512_set1_epi32(kq[n]));
+    if (ok && a.window) ok &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(qv, _mm512_set1_epi32(kq[n])), win);
+    on[n] = ok;
+    top[n % 4] = _mm512_mask_max_ps(top[n % 4], ok, top[n % 4], _mm512_loadu_ps(&it.st[n * ROWS + 16 * g]));
+  }
+  const __m512 m_old = _mm512_load_ps(it.m + 16 * g);
+  const __m512 seen_max = _mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3]));
+  // the reference moves (to the max) where a score passes it by more than RESCALE, or where it was -inf
+  const __mmask16 grew = _mm512_cmp_ps_mask(seen_max, _mm512_add_ps(m_old, _mm512_set1_ps(RESCALE)), _CMP_GT_OQ);
+  const __m512 m_new = _mm512_mask_mov_ps(m_old, grew, seen_max);
+  // where it moved: alpha = exp(m_old - m_new), 0 after -inf; elsewhere 1
+  const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grew, exp_small(_mm512_sub_ps(m_old, m_new)));
+  __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  static const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                     7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#endif
+#pragma GCC unroll 4
+  for (int64_t n = 0; n < KEYS; n += 2) {
+    __m512 p[2];
+    for (int e = 0; e < 2; ++e)
+      p[e] = _mm512_maskz_mov_ps(on[n + e], exp_small(_mm512_sub_ps(_mm512_loadu_ps(&it.st[(n + e) * ROWS + 16 * g]),
+                                                                    m_new)));
+    sum[n / 2 % 2] = _mm512_add_ps(sum[n / 2 % 2], _mm512_add_ps(p[0], p[1]));
+    // B tile row kk = (n % 32) / 2 of block n / 32: word i = (p[key n][row i], p[key n + 1][row i])
+    uint16_t* row = it.pt.data() + (g * 2 + n / 32) * TILE + (n % 32 / 2) * 32;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    _mm512_storeu_si512(row, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
+#else
+    alignas(64) float pf[2][16];
+    _mm512_store_ps(pf[0], p[0]);
+    _mm512_store_ps(pf[1], p[1]);
+    for (int i = 0; i < 16; ++i) row[2 * i] = bf16_bits(pf[0][i]), row[2 * i + 1] = bf16_bits(pf[1][i]);
+#endif
+  }
+  _mm512_store_ps(it.l + 16 * g, _mm512_fmadd_ps(_mm512_load_ps(it.l + 16 * g), alpha, _mm512_add_ps(sum[0], sum[1])));
+  _mm512_store_ps(it.m + 16 * g, m_new);
+  if (grew & live)
+    for (int64_t d = 0; d < a.D; ++d) {
+      float* row = it.acct.data() + d * ROWS + 16 * g;
+      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), alpha));
+    }
+}
+#else
+inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint64_t seen, const int32_t* kq) {
+  for (int64_t i = 16 * g; i < 16 * g + 16; ++i) {
+    bool on[KEYS];
+    float top = NEG_INF;
+    for (int64_t n = 0; n < KEYS; ++n) {
+      on[n] = i < nr && (seen >> n & 1u) && !(a.causal && kq[n] > it.qpos[i]) &&
+              !(a.window && (int64_t)it.qpos[i] - kq[n] >= a.window);
+      if (on[n]) top = std::max(top, it.st[n * ROWS + i]);
+    }
+    const float m_new = top > it.m[i] + RESCALE ? top : it.m[i];
+    const float alpha = m_new == it.m[i] ? 1.f : std::exp(it.m[i] - m_new);
+    float sum = 0.f;
+    for (int64_t n = 0; n < KEYS; ++n) {
+      const float p = on[n] ? std::exp(it.st[n * ROWS + i] - m_new) : 0.f;
+      sum += p;
+      it.pt[(i / 16 * 2 + n / 32) * TILE + (n % 32 / 2) * 32 + (i % 16) * 2 + n % 2] = bf16_bits(p);
+    }
+    it.l[i] = it.l[i] * alpha + sum;
+    it.m[i] = m_new;
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < a.D; ++d) it.acct[d * ROWS + i] *= alpha;
+  }
+}
+#endif
+
+// The item's rows `row0 + [0, nr)` into its working set: their queries as bfloat16 (row-major for the scalar dots, B
+// tiles for AMX; zero past nr) and their accumulators transposed.
+void load_rows(const Segment& a, Item& it, int64_t row0, int64_t nr) {
+  const int64_t D = a.D;
+  if (VECTOR_PACK && a.amx) {
+#if KIVI_AMX && defined(__AVX512BF16__)
+    for (int64_t g = 0; g < 2; ++g) {
+      for (int64_t c = 0; c < D / 32; ++c) {
+        __m512i r[16];  // r[n]: row 16 g + n's channel pairs of block c; transposed, r[kk]: pair kk of the 16 rows
+        for (int64_t n = 0; n < 16; ++n)
+          r[n] = 16 * g + n < nr ? bf16_pairs(a.q + (row0 + 16 * g + n) * D + 32 * c) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t kk = 0; kk < 16; ++kk)
+          _mm512_storeu_si512(it.qt.data() + (g * (D / 32) + c) * TILE + kk * 32, r[kk]);
+      }
+      for (int64_t c = 0; c < D / 16; ++c) {
+        __m512i r[16];  // r[n]: row 16 g + n's channels 16 c..; transposed, r[dd]: channel 16 c + dd of the rows
+        for (int64_t n = 0; n < 16; ++n)
+          r[n] = 16 * g + n < nr ? _mm512_loadu_si512(a.acc + (row0 + 16 * g + n) * D + 16 * c) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
+      }
+    }
+#endif
+    return;
+  }
+  for (int64_t i = 0; i < ROWS; ++i)
+    for (int64_t d = 0; d < D; ++d) {
+      const uint16_t x = i < nr ? bf16_bits(a.q[(row0 + i) * D + d]) : 0;
+      it.qb[i * D + d] = x;
+      it.qt[((i / 16) * (D / 32) + d / 32) * TILE + (d % 32 / 2) * 32 + (i % 16) * 2 + d % 2] = x;
+      it.acct[d * ROWS + i] = i < nr ? a.acc[(row0 + i) * D + d] : 0.f;
+    }
+}
+
+// The item's rows back: accumulators, maxima and sums.
+void store_rows(const Segment& a, const Item& it, int64_t row0, int64_t nr) {
+  const int64_t D = a.D;
+  for (int64_t i = 0; i < nr; ++i) {
+    a.m[row0 + i] = it.m[i];
+    a.l[row0 + i] = it.l[i];
+  }
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t c = 0; c < D / 16; ++c) {
+      __m512i r[16];  // r[dd]: channel 16 c + dd of rows 16 g..; transposed, r[n]: row 16 g + n's channels
+      for (int64_t dd = 0; dd < 16; ++dd) r[dd] = _mm512_loadu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g]);
+      transpose16(r);
+      for (int64_t n = 0; n < 16 && 16 * g + n < nr; ++n)
+        _mm512_storeu_si512(a.acc + (row0 + 16 * g + n) * D + 16 * c, r[n]);
+    }
+#else
+  for (int64_t i = 0; i < nr; ++i)
+    for (int64_t d = 0; d < D; ++d) a.acc[(row0 + i) * D + d] = it.acct[d * ROWS + i];
+#endif
+}
+
+// One work item: rows [r0, r0 + 32) of (b, h).
+void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
+  const int64_t D = a.D, bh = b * a.H + h, nr = std::min(ROWS, a.R - r0);
+  thread_local Item it(D);  // reused by this thread's items (sized for the largest head_dim seen)
+  if ((int64_t)it.acct.size() < D * ROWS) it = Item(D);
+  int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
+  for (int64_t i = 0; i < ROWS; ++i) {
+    const int64_t row = bh * a.R + r0 + i;
+    it.m[i] = i < nr ? a.m[row] : NEG_INF;
+    it.l[i] = i < nr ? a.l[row] : 0.f;
+    it.qpos[i] = i < nr ? a.q_pos[b * a.R + r0 + i] : 0;
+    if (i >= nr) continue;
+    qlo = std::min(qlo, it.qpos[i]);
+    qhi = std::max(qhi, it.qpos[i]);
+  }
+  load_rows(a, it, bh * a.R + r0, nr);
+  const uint16_t* kp = a.kp.data() + bh * a.packed();
+  const uint16_t* vt = a.vt.data() + bh * a.packed();
+  const int32_t* kpos = a.k_pos + b * a.T;
+#if KIVI_AMX
+  if (a.amx) load_square_tiles();
+#endif
+  for (int64_t s = 0; s < a.steps; ++s) {
+    const uint64_t ok = a.ok_bits[b * a.steps + s];
+    if (!ok) continue;
+    if (a.causal && a.lo[b * a.steps + s] > qhi) continue;  // every key after every row
+    if (a.window && (int64_t)qlo - a.hi[b * a.steps + s] >= a.window) continue;  // every key out of every window
+#if KIVI_AMX
+    if (a.amx)
+      scores_amx(a, it, kp, s, it.st.data());
+    else
+#endif
+      scores_scalar(a, it, kp, s, it.st.data());
+    int32_t kq[KEYS];  // the step's key positions (past T: never ok)
+    for (int64_t n = 0; n < KEYS; ++n) kq[n] = s * KEYS + n < a.T ? kpos[s * KEYS + n] : 0;
+    softmax_rows(a, it, 0, nr, ok, kq);
+    softmax_rows(a, it, 1, nr, ok, kq);
+#if KIVI_AMX
+    if (a.amx)
+      values_amx(a, it, vt, s);
+    else
+#endif
+      values_scalar(a, it, vt, s);
+  }
+#if KIVI_AMX
+  if (a.amx) _tile_release();
+#endif
+  store_rows(a, it, bh * a.R + r0, nr);
+}
+
+ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> q_pos,
+                           ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> k_pos,
+                           ffi::Buffer<ffi::S32> k_ok, ffi::Buffer<ffi::F32> m_in, ffi::Buffer<ffi::F32> l_in,
+                           ffi::Buffer<ffi::F32> acc_in, ffi::ResultBuffer<ffi::F32> m_out,
+                           ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> acc_out, int64_t window,
+                           int64_t causal, int64_t amx) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("chunk_attend: q, k must be 4-d");
+  Segment a;
+  a.B = qd[0], a.H = qd[1], a.R = qd[2], a.D = qd[3], a.T = kd[2];
+  if (kd[0] != a.B || kd[1] != a.H || kd[3] != a.D || v.element_count() != k.element_count())
+    return ffi::Error::InvalidArgument("chunk_attend: k, v must be [B, H, T, D] of q's B, H, D");
+  if (a.D % 32 != 0) return ffi::Error::InvalidArgument("chunk_attend: head_dim must be a multiple of 32");
+  if (q_pos.element_count() != (size_t)(a.B * a.R) || k_pos.element_count() != (size_t)(a.B * a.T) ||
+      k_ok.element_count() != (size_t)(a.B * a.T))
+    return ffi::Error::InvalidArgument("chunk_attend: q_pos [B, R], k_pos and k_ok [B, T]");
+  if (m_in.element_count() != (size_t)(a.B * a.H * a.R) || l_in.element_count() != m_in.element_count() ||
+      acc_in.element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("chunk_attend: m, l [B, H, R] and acc [B, H, R, D]");
+  a.steps = (a.T + KEYS - 1) / KEYS;
+  a.window = window > 0 ? window : 0;
+  a.causal = causal != 0;
+#if KIVI_AMX
+  a.amx = amx != 0 && amx_allowed();
+#else
+  a.amx = false;
+#endif
+  a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data();
+  a.q_pos = q_pos.typed_data(), a.k_pos = k_pos.typed_data(), a.k_ok = k_ok.typed_data();
+  a.m = m_out->typed_data(), a.l = l_out->typed_data(), a.acc = acc_out->typed_data();
+  if (a.m != m_in.typed_data()) std::memcpy(a.m, m_in.typed_data(), m_in.size_bytes());
+  if (a.l != l_in.typed_data()) std::memcpy(a.l, l_in.typed_data(), l_in.size_bytes());
+  if (a.acc != acc_in.typed_data()) std::memcpy(a.acc, acc_in.typed_data(), acc_in.size_bytes());
+  a.kp.assign(a.B * a.H * a.packed(), 0);
+  a.vt.assign(a.B * a.H * a.packed(), 0);
+  a.ok_bits.assign(a.B * a.steps, 0);
+  a.lo.assign(a.B * a.steps, 0);
+  a.hi.assign(a.B * a.steps, 0);
+  for (int64_t b = 0; b < a.B; ++b) key_steps(a, b);
+  parallel_for(pool, a.B * a.H, [&](int64_t bh) {  // a sequence none of whose keys is ok needs none packed
+    const uint64_t* bits = &a.ok_bits[bh / a.H * a.steps];
+    if (std::any_of(bits, bits + a.steps, [](uint64_t x) { return x != 0; })) pack(a, bh);
+  });
+  const int64_t tiles = (a.R + ROWS - 1) / ROWS;
+  parallel_for(pool, a.B * a.H * tiles, [&](int64_t i) {
+    const int64_t bh = i / tiles;
+    run_item(a, bh / a.H, bh % a.H, i % tiles * ROWS);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, H, R, D], scaled
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [B, R]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [B, H, T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [B, H, T, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos [B, T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_ok [B, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [B, H, R]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // l [B, H, R]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // acc [B, H, R, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m (aliases the input)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // acc
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("amx"));

@@ -1,0 +1,164 @@
+"""The native chunk-attention kernel (`kivi_jax/native/attend_cpu.cc`) equals its twin, `attention.segment`'s XLA
+path with bfloat16 dots, on random segments: row and key counts that are not multiples of its 32-row items or
+64-key steps, head dims 32 / 64 / 128, causal and stored segments, sliding windows, keys not ok, rows that see
+nothing, a state carried in; its AMX tiles and its scalar path alike. Through the model, a bfloat16 chunked prefill
+onto KIVI and full caches gives the XLA path's logits and greedy tokens, and a program lowered for a GPU keeps the
+XLA path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kivi_jax
+from kivi_jax import attention, native, runtime
+from kivi_jax.cache import make_cache
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import cast_params, init_params
+from kivi_jax.native import attend, build
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernels run on the CPU backend")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not native.available():
+        pytest.fail(f"the native kernels did not build here: {native.error()}")
+
+
+def random_segment(rng, batch, heads, rows, tokens, head_dim, n_rep, causal):
+    """Rows of `rows // n_rep` tokens after `tokens` keys (causal: among them, the first token one position before
+    the first key, so that its rows see nothing), a state carried in (its first two rows have seen nothing yet), keys
+    90% ok."""
+    q = rng.standard_normal((batch, heads, rows, head_dim)).astype(np.float32) * head_dim**-0.5
+    k = rng.standard_normal((batch, heads, tokens, head_dim)).astype(np.float32)
+    k[..., 3] *= 6.0  # an outlier channel
+    v = rng.standard_normal((batch, heads, tokens, head_dim)).astype(np.float32)
+    start = rng.integers(0, 4, (batch, 1))
+    k_pos = start + np.arange(tokens)[None, :]  # [batch, tokens]
+    q_pos = (start + (-1 if causal else tokens)) + np.arange(rows)[None, :] // n_rep  # [batch, rows]
+    k_ok = rng.random((batch, tokens)) < 0.9
+    m = rng.standard_normal((batch, heads, rows)).astype(np.float32)
+    l = rng.random((batch, heads, rows)).astype(np.float32) + 0.5
+    acc = rng.standard_normal((batch, heads, rows, head_dim)).astype(np.float32)
+    m[:, :, :2], l[:, :, :2], acc[:, :, :2] = -np.inf, 0.0, 0.0
+    state = attention.Softmax(*map(jnp.asarray, (m, l, acc)))
+    return state, attention.Rows(jnp.asarray(q), jnp.asarray(q_pos, jnp.int32), jnp.bfloat16), *map(
+        jnp.asarray, (k, v, k_pos.astype(np.int32), k_ok))
+
+
+CASES = [  # batch, kv heads, rows, tokens, head_dim, n_rep, window, causal
+    (1, 3, 96, 32, 64, 3, None, True),  # a chunk over itself
+    (2, 2, 33, 31, 32, 1, None, False),  # stored keys, fewer than a step; rows past an item
+    (2, 3, 150, 200, 64, 3, 16, True),  # a sliding window inside the chunk
+    (1, 1, 70, 130, 128, 2, None, False),  # head_dim 128, keys past two steps
+    (2, 1, 64, 257, 64, 4, 100, False),  # a window over stored keys, a ragged last step
+]
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "scalar"])
+@pytest.mark.parametrize("case", CASES, ids=[f"r{c[2]}-t{c[3]}-d{c[4]}-w{c[6]}-{'causal' if c[7] else 'stored'}"
+                                              for c in CASES])
+def test_the_kernel_equals_its_twin(case, amx):
+    batch, heads, rows, tokens, head_dim, n_rep, window, causal = case
+    rng = np.random.default_rng(rows * 7 + tokens)
+    state, grouped, k, v, k_pos, k_ok = random_segment(rng, batch, heads, rows, tokens, head_dim, n_rep, causal)
+    twin = jax.jit(lambda s, q, pos, k, v: attention.segment(s, attention.Rows(q, pos, jnp.bfloat16), k, v, k_pos,
+                                                            k_ok, window, causal=causal))
+    kernel = jax.jit(lambda s, q, pos, k, v: attend.segment(*s, q, pos, k, v, k_pos, k_ok, window, causal, amx))
+    want = twin(state, grouped.q, grouped.pos, k, v)
+    got = attention.Softmax(*kernel(state, grouped.q, grouped.pos, k, v))
+    want_out, got_out = np.asarray(want.result()), np.asarray(got.result())
+    # probabilities round to bfloat16 against each side's own reference (the XLA path's segment max, the kernel's
+    # running one): outputs agree to that rounding, not bit for bit
+    np.testing.assert_allclose(got_out, want_out, atol=2e-2)
+    assert np.mean(np.abs(got_out - want_out)) < 2e-3
+    # a row that sees no key of the segment keeps its state exactly; every other row moved
+    q_pos, kp, ok = np.asarray(grouped.pos), np.asarray(k_pos), np.asarray(k_ok)
+    sees = np.broadcast_to(ok[:, None, :], (batch, rows, tokens)).copy()
+    if causal:
+        sees &= kp[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        sees &= q_pos[:, :, None] - kp[:, None, :] < window
+    blind = np.broadcast_to(~sees.any(-1)[:, None, :], (batch, heads, rows))
+    assert blind.any() == causal  # the causal cases' first rows see nothing (their keys come later); no other
+    for name in ("m", "l", "acc"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name))[blind], np.asarray(getattr(state, name))[blind])
+    assert not np.allclose(got_out[~blind], np.asarray(state.result())[~blind], atol=1e-3)
+
+
+def test_the_kernel_refuses_what_it_does_not_serve():
+    assert attend.unsupported(jnp.float32, 64, None) is not None  # float32 rows: XLA's dot
+    assert attend.unsupported(jnp.bfloat16, 64, 50.0) is not None  # a soft-cap
+    assert attend.unsupported(jnp.bfloat16, 48, None) is not None  # head_dim not a multiple of 32
+    assert (attend.unsupported(jnp.bfloat16, 64, None) is None) == build.has_amx()
+
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=64)
+WINDOW = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=1, head_dim=64, sliding_window=40)
+
+
+def chunked_prefill(params, spec, impl, prompts, chunk=48):
+    """`runtime.prefill` of ragged prompts in chunks onto a fresh cache of `impl` -> the logits after each prompt."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), lengths.max()), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    cache = make_cache(spec, params.config, batch=len(prompts), max_tokens=256, impl=impl)
+    logits, _ = runtime.prefill(params, tokens, lengths, cache, chunk)
+    return np.asarray(logits)
+
+
+@pytest.mark.skipif(not build.has_amx(), reason="`auto` takes the kernel only with AMX tiles (else XLA's path, tested "
+                                                "above against the kernel's scalar path)")
+@pytest.mark.parametrize("cfg", [CFG, WINDOW], ids=["gqa", "window"])
+def test_a_bfloat16_chunked_prefill_gives_the_xla_paths_logits(cfg, monkeypatch):
+    """Prompts of 150 and 77 tokens in chunks of 48 (stored blocks, the ring and each chunk itself), KIVI and full:
+    the kernel's logits differ from the XLA path's by less than half of what bfloat16 itself moves them (the same
+    model in float32), and are no farther from float32's."""
+    calls = []
+    real = attend.segment
+    monkeypatch.setattr(attend, "segment", lambda *a, **k: calls.append(1) or real(*a, **k))
+    exact = init_params(cfg, jax.random.PRNGKey(1), std=0.2)
+    params = cast_params(exact, jnp.bfloat16)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (150, 77)]
+    for spec in ("k2v2-g32-r32", "full"):
+        jax.clear_caches()
+        xla = chunked_prefill(params, spec, "xla", prompts)
+        ref = chunked_prefill(exact, spec, "auto", prompts)  # float32 rows: XLA's path
+        assert not calls
+        jax.clear_caches()
+        out = chunked_prefill(params, spec, "auto", prompts)
+        assert calls  # the kernel was traced into the chunk program
+        calls.clear()
+        bf16_moves = np.abs(xla - ref).max()
+        assert bf16_moves > 0.01
+        assert np.abs(out - xla).max() < 0.5 * bf16_moves
+        assert np.abs(out - ref).max() < 1.25 * bf16_moves
+
+
+@pytest.mark.skipif(not build.has_amx(), reason="`auto` takes the kernel only with AMX tiles")
+def test_generate_in_bfloat16_through_the_kernel_gives_the_xla_greedy_tokens():
+    params = cast_params(init_params(CFG, jax.random.PRNGKey(3), std=0.2), jnp.bfloat16)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (90, 33)]
+    kw = dict(max_new_tokens=12, cache="kivi2", stop_at_eos=False, prefill_chunk=32)
+    xla = kivi_jax.generate(params, prompts, attention_impl="xla", **kw).token_ids
+    out = kivi_jax.generate(params, prompts, attention_impl="auto", **kw).token_ids
+    assert out == xla
+
+
+def test_a_program_lowered_for_a_gpu_keeps_the_xla_path():
+    params = cast_params(init_params(CFG, jax.random.PRNGKey(1), std=0.2), jnp.bfloat16)
+    cache = make_cache("kivi2", CFG, batch=1, max_tokens=128)
+    tokens = jnp.ones((1, 64), jnp.int32)
+    args = (params, tokens, jnp.full((1,), 64, jnp.int32), cache, jnp.zeros((1, 128), jnp.float32),
+            jnp.full((1,), 63, jnp.int32))
+    gpu = runtime.prefill_chunk.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kivi_jax_chunk_attend" not in gpu
+    if build.has_amx():
+        cpu = runtime.prefill_chunk.trace(*args).lower().as_text()
+        assert "kivi_jax_chunk_attend" in cpu
