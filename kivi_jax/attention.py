@@ -9,7 +9,9 @@ every segment (quantized blocks, the ring, the new tokens) updates one online so
 a time: memory is bounded by the chunk and block sizes, and no dequantized cache is ever built.
 
 Dispatch: a decode step (`T = 1`) may take a kernel (`decode_kivi`, `decode_full`: Pallas on GPU, and for the KIVI
-cache on TPU); a chunk of more than one token takes the XLA path on every backend.
+cache on TPU, C++ on the CPU); a chunk of more than one token takes the XLA path, except that on the CPU its dense
+segments of bfloat16 rows (its own tokens, stored blocks dequantized, the ring, sinks) may go to the native chunk
+kernel (`segment`, `chunk_native`; docs/kernels.md "Chunk attention").
 Shapes: q `[batch, T, q_heads, head_dim]`; cache tensors stacked `[layers, batch, kv_heads, tokens, ...]`, read one
 block of one layer at a time (`layer=None` takes tensors that hold one layer already).
 """
