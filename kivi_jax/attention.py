@@ -18,6 +18,7 @@ block of one layer at a time (`layer=None` takes tensors that hold one layer alr
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Callable, NamedTuple
@@ -71,11 +72,15 @@ def many_rows(rows: int) -> bool:
 class Rows(NamedTuple):
     """The new tokens' queries grouped by kv head: `q [batch, kv_heads, T * n_rep, head_dim]` float32, scaled by
     1/sqrt(head_dim); `pos [batch, T * n_rep]` the position of each row's token; `dot_dtype` the operands of their
-    dots with keys and of the probabilities with values (sums, scores and the softmax float32 either way)."""
+    dots with keys and of the probabilities with values (sums, scores and the softmax float32 either way).
+    `token_major`: the native chunk kernel's form instead (`as_token_major`), which groups and scales the rows
+    itself: `q [batch, T, q_heads, head_dim]` as the model gives it, `pos [batch, T]`, and a softmax state laid out
+    as q (`[batch, T, q_heads(, head_dim)]`), so that no transpose is made on the way in or out."""
 
     q: jax.Array
     pos: jax.Array
     dot_dtype: type = jnp.float32
+    token_major: bool = False
 
 
 def group_queries(q: jax.Array, positions: jax.Array, kv_heads: int) -> Rows:
@@ -95,6 +100,32 @@ def scores_of(rows: Rows, keys: jax.Array) -> jax.Array:
     in `rows.dot_dtype` (float32: the keys widened as einsum would promote them)."""
     return jnp.einsum("bhrd,bhtd->bhrt", rows.q.astype(rows.dot_dtype), keys.astype(rows.dot_dtype),
                       preferred_element_type=jnp.float32)
+
+
+def as_token_major(q: jax.Array, positions: jax.Array, rows: Rows) -> Rows:
+    """The kernel's form of `rows` (grouped from `q [batch, T, q_heads, head_dim]` at `positions [batch, T]`)."""
+    return Rows(q, positions, rows.dot_dtype, token_major=True)
+
+
+def regrouped(state: "Softmax", kv_heads: int, tokens: int, back: bool = False) -> "Softmax":
+    """A softmax state of token-major rows `[batch, T, q_heads(, D)]` in the grouped form `[batch, kv_heads, T *
+    n_rep(, D)]` (`back`: the other way)."""
+    def one(a):
+        if back:
+            batch, heads, rows = a.shape[:3]
+            a = a.reshape((batch, heads, tokens, rows // tokens) + a.shape[3:])
+            a = jnp.swapaxes(a, 1, 2)
+            return a.reshape((batch, tokens, -1) + a.shape[4:])
+        batch, _, q_heads = a.shape[:3]
+        a = a.reshape((batch, tokens, kv_heads, q_heads // kv_heads) + a.shape[3:])
+        return jnp.swapaxes(a, 1, 2).reshape((batch, kv_heads, -1) + a.shape[4:])
+    return Softmax(*map(one, state))
+
+
+def rows_out(state: "Softmax", rows: Rows, q: jax.Array) -> jax.Array:
+    """The attention `[batch, T, q_heads, head_dim]` in q's dtype from the rows' final softmax state."""
+    out = state.result()
+    return out.astype(q.dtype) if rows.token_major else ungroup(out, q.shape[1], q.dtype)
 
 
 def ungroup(out: jax.Array, tokens: int, dtype) -> jax.Array:
@@ -156,30 +187,47 @@ def masked(scores: jax.Array, valid: jax.Array, softcap: float | None = None) ->
 
 
 def segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_pos: jax.Array, key_ok: jax.Array,
-            window: int | None, softcap: float | None = None, causal: bool = False, native: bool = False) -> Softmax:
-    """Adds keys and values `[batch, kv_heads, tokens, head_dim]` at positions `key_pos [batch or 1, tokens]` to the
-    rows' online softmax: a key counts where `key_ok [batch or 1, tokens]`, at or before the row when `causal` (new
-    tokens; stored ones precede every row), inside the sliding `window`. `native`: the C++ kernel computes it (a
-    chunk's bfloat16 rows on the CPU, `chunk_native`); this function's XLA path is its twin."""
-    def xla() -> Softmax:
-        valid = jnp.broadcast_to(key_ok, (rows.pos.shape[0], key_ok.shape[-1]))[:, None, :]  # [batch, 1, tokens]
-        if causal:
-            valid = valid & layout.visible(key_pos, rows.pos, window)
-        elif window is not None:
-            valid = valid & (rows.pos[:, :, None] - key_pos[:, None, :] < window)
-        return state.update(masked(scores_of(rows, keys), valid, softcap),
-                            lambda p: dense_values(p, values, rows.dot_dtype))
-
+            window: int | None, softcap: float | None = None, causal: bool = False, native: bool = False,
+            keys_token_major: bool = False) -> Softmax:
+    """Adds keys and values `[batch, kv_heads, tokens, head_dim]` (`[batch, tokens, kv_heads, head_dim]` with
+    `keys_token_major`, token-major rows only) at positions `key_pos [batch or 1, tokens]` to the rows' online
+    softmax: a key counts where `key_ok [batch or 1, tokens]`, at or before the row when `causal` (new tokens; stored
+    ones precede every row), inside the sliding `window`. `native`: the C++ kernel computes it (a chunk's bfloat16
+    rows on the CPU, `chunk_native`, token-major rows); the XLA path (`dense_segment`) is its twin."""
+    if rows.token_major:  # the kernel's form; XLA's path groups them (a program lowered for a GPU or TPU)
+        def xla() -> Softmax:
+            kv_heads, tokens = keys.shape[2 if keys_token_major else 1], rows.q.shape[1]
+            k, v = (jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)) if keys_token_major else (keys, values)
+            grouped = group_queries(rows.q, rows.pos, kv_heads)._replace(dot_dtype=rows.dot_dtype)
+            out = dense_segment(regrouped(state, kv_heads, tokens), grouped, k, v, key_pos, key_ok, window, softcap,
+                                causal)
+            return regrouped(out, kv_heads, tokens, back=True)
+    else:
+        xla = functools.partial(dense_segment, state, rows, keys, values, key_pos, key_ok, window, softcap, causal)
     if not native:
         return xla()
+    if not rows.token_major:
+        raise ValueError("the native kernel takes token-major rows (`as_token_major`)")
 
     def kernel() -> Softmax:
         from kivi_jax.native import attend
 
         return Softmax(*attend.segment(state.m, state.l, state.acc, rows.q, rows.pos, keys, values, key_pos, key_ok,
-                                       window, causal))
+                                       window, causal, scale=rows.q.shape[-1] ** -0.5,
+                                       kv_tokens_first=keys_token_major))
 
     return jax.lax.platform_dependent(cpu=kernel, default=xla)  # a program lowered for a GPU or TPU: XLA's
+
+
+def dense_segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_pos: jax.Array,
+                  key_ok: jax.Array, window: int | None, softcap: float | None, causal: bool) -> Softmax:
+    """`segment`'s XLA path for grouped rows: scores, the mask, the softmax update, probabilities times values."""
+    valid = jnp.broadcast_to(key_ok, (rows.pos.shape[0], key_ok.shape[-1]))[:, None, :]  # [batch, 1, tokens]
+    if causal:
+        valid = valid & layout.visible(key_pos, rows.pos, window)
+    elif window is not None:
+        valid = valid & (rows.pos[:, :, None] - key_pos[:, None, :] < window)
+    return state.update(masked(scores_of(rows, keys), valid, softcap), lambda p: dense_values(p, values, rows.dot_dtype))
 
 
 def chunk_native(impl: str, rows: Rows, softcap: float | None) -> bool:
@@ -241,11 +289,12 @@ def new_tokens(state: Softmax, rows: Rows, k_new: jax.Array, v_new: jax.Array, p
     a longer chunk in query tiles, each reading only the keys at or before it (`causal_tiles`); `native`: all of
     them in one call of the kernel, which skips what no row sees itself."""
     tokens = k_new.shape[1]
+    real = jnp.arange(tokens)[None, :] < num_new[:, None]  # [batch, T]
+    if native:  # token-major rows, and the keys as they come
+        return segment(state, rows, k_new, v_new, positions, real, window, causal=True, native=True,
+                       keys_token_major=True)
     k = jnp.swapaxes(k_new, 1, 2)  # [batch, kv_heads, T, head_dim]
     v = jnp.swapaxes(v_new, 1, 2)
-    real = jnp.arange(tokens)[None, :] < num_new[:, None]  # [batch, T]
-    if native:
-        return segment(state, rows, k, v, positions, real, window, causal=True, native=True)
     if tokens > NEW_TILE:
         return causal_tiles(state, rows, k, v, positions, num_new, window, softcap)
     block = block_size(tokens, 1, block)
@@ -306,6 +355,8 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
     rows = group_queries(q, positions, kv_heads)
     block = block_size(num_tokens, getattr(k_cache, "block_multiple", 1), block)  # whole pages of a paged cache
     native = chunk_native(impl, rows, softcap)
+    if native:
+        rows = as_token_major(q, positions, rows)
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = stored_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
@@ -316,7 +367,7 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
 
     state = blockwise(Softmax.empty(rows.q), num_tokens, block, length, step)
     state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap, native)
-    return ungroup(state.result(), q.shape[1], q.dtype)
+    return rows_out(state, rows, q)
 
 
 def decode_full_xla(q, k_cache, v_cache, layer, length, k_new, v_new, window, block: int = BLOCK_TOKENS,
@@ -529,14 +580,16 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     rows = group_queries(q, positions, kv_heads)
     main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
     block = block_size(num_tokens, max(k_store.block_multiple, v_store.block_multiple), block)  # whole groups, pages
+    native = chunk_native(impl, rows, softcap) and not int8_dots
+    many = many_rows(rows.q.shape[2])
+    if native:
+        rows = as_token_major(q, positions, rows)
     state = Softmax.empty(rows.q)
-    native = chunk_native(impl, rows, softcap)
     if num_sinks:
         state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap, native)
 
     # Many query rows (a prefill chunk's): each block is dequantized once and dotted densely; few (a decode step's):
     # the scales fold into q and p, which costs rows x groups instead of the block's tokens x head_dim
-    many = many_rows(rows.q.shape[2])
     dense = many and not int8_dots
 
     def step(state: Softmax, start, first_new) -> Softmax:
@@ -572,7 +625,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     else:
         state = ring(state)
     state = new_tokens(state, rows, k_new, v_new, positions, num_new, window, block, softcap, native)
-    return ungroup(state.result(), q.shape[1], q.dtype)
+    return rows_out(state, rows, q)
 
 
 def decode_kivi_xla(

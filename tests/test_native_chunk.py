@@ -26,62 +26,71 @@ def built():
         pytest.fail(f"the native kernels did not build here: {native.error()}")
 
 
-def random_segment(rng, batch, heads, rows, tokens, head_dim, n_rep, causal):
-    """Rows of `rows // n_rep` tokens after `tokens` keys (causal: among them, the first token one position before
-    the first key, so that its rows see nothing), a state carried in (its first two rows have seen nothing yet), keys
-    90% ok."""
-    q = rng.standard_normal((batch, heads, rows, head_dim)).astype(np.float32) * head_dim**-0.5
+def random_segment(rng, batch, heads, tokens_q, tokens, head_dim, n_rep, causal, keys_token_major):
+    """`tokens_q` query tokens (token-major rows, `n_rep` query heads a kv head) after `tokens` keys (causal: among
+    them, the first query token one position before the first key, so that its rows see nothing), a state carried in
+    (its first query token has seen nothing yet), keys 90% ok."""
+    q = rng.standard_normal((batch, tokens_q, heads * n_rep, head_dim)).astype(np.float32)
     k = rng.standard_normal((batch, heads, tokens, head_dim)).astype(np.float32)
     k[..., 3] *= 6.0  # an outlier channel
     v = rng.standard_normal((batch, heads, tokens, head_dim)).astype(np.float32)
+    if keys_token_major:
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
     start = rng.integers(0, 4, (batch, 1))
     k_pos = start + np.arange(tokens)[None, :]  # [batch, tokens]
-    q_pos = (start + (-1 if causal else tokens)) + np.arange(rows)[None, :] // n_rep  # [batch, rows]
+    q_pos = (start + (-1 if causal else tokens)) + np.arange(tokens_q)[None, :]  # [batch, tokens_q]
     k_ok = rng.random((batch, tokens)) < 0.9
-    m = rng.standard_normal((batch, heads, rows)).astype(np.float32)
-    l = rng.random((batch, heads, rows)).astype(np.float32) + 0.5
-    acc = rng.standard_normal((batch, heads, rows, head_dim)).astype(np.float32)
-    m[:, :, :2], l[:, :, :2], acc[:, :, :2] = -np.inf, 0.0, 0.0
+    m = rng.standard_normal((batch, tokens_q, heads * n_rep)).astype(np.float32)
+    l = rng.random((batch, tokens_q, heads * n_rep)).astype(np.float32) + 0.5
+    acc = rng.standard_normal((batch, tokens_q, heads * n_rep, head_dim)).astype(np.float32)
+    m[:, 0], l[:, 0], acc[:, 0] = -np.inf, 0.0, 0.0
     state = attention.Softmax(*map(jnp.asarray, (m, l, acc)))
-    return state, attention.Rows(jnp.asarray(q), jnp.asarray(q_pos, jnp.int32), jnp.bfloat16), *map(
-        jnp.asarray, (k, v, k_pos.astype(np.int32), k_ok))
+    return state, jnp.asarray(q, jnp.bfloat16), *map(jnp.asarray, (q_pos.astype(np.int32), k, v,
+                                                                    k_pos.astype(np.int32), k_ok))
 
 
-CASES = [  # batch, kv heads, rows, tokens, head_dim, n_rep, window, causal
-    (1, 3, 96, 32, 64, 3, None, True),  # a chunk over itself
-    (2, 2, 33, 31, 32, 1, None, False),  # stored keys, fewer than a step; rows past an item
-    (2, 3, 150, 200, 64, 3, 16, True),  # a sliding window inside the chunk
-    (1, 1, 70, 130, 128, 2, None, False),  # head_dim 128, keys past two steps
-    (2, 1, 64, 257, 64, 4, 100, False),  # a window over stored keys, a ragged last step
+CASES = [  # batch, kv heads, query tokens, keys, head_dim, n_rep, window, causal, keys token-major
+    (1, 3, 32, 32, 64, 3, None, True, True),  # a chunk over itself, its keys as the model gives them
+    (2, 2, 33, 31, 32, 1, None, False, False),  # stored keys, fewer than a step; rows past an item
+    (2, 3, 50, 200, 64, 3, 16, True, False),  # a sliding window inside the chunk
+    (1, 1, 35, 130, 128, 2, None, False, False),  # head_dim 128, keys past two steps
+    (2, 1, 16, 257, 64, 4, 100, False, True),  # a window over stored keys, a ragged last step
 ]
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "scalar"])
-@pytest.mark.parametrize("case", CASES, ids=[f"r{c[2]}-t{c[3]}-d{c[4]}-w{c[6]}-{'causal' if c[7] else 'stored'}"
+@pytest.mark.parametrize("case", CASES, ids=[f"t{c[2]}-k{c[3]}-d{c[4]}-w{c[6]}-{'causal' if c[7] else 'stored'}"
                                               for c in CASES])
 def test_the_kernel_equals_its_twin(case, amx):
-    batch, heads, rows, tokens, head_dim, n_rep, window, causal = case
-    rng = np.random.default_rng(rows * 7 + tokens)
-    state, grouped, k, v, k_pos, k_ok = random_segment(rng, batch, heads, rows, tokens, head_dim, n_rep, causal)
-    twin = jax.jit(lambda s, q, pos, k, v: attention.segment(s, attention.Rows(q, pos, jnp.bfloat16), k, v, k_pos,
-                                                            k_ok, window, causal=causal))
-    kernel = jax.jit(lambda s, q, pos, k, v: attend.segment(*s, q, pos, k, v, k_pos, k_ok, window, causal, amx))
-    want = twin(state, grouped.q, grouped.pos, k, v)
-    got = attention.Softmax(*kernel(state, grouped.q, grouped.pos, k, v))
+    batch, heads, tokens_q, tokens, head_dim, n_rep, window, causal, kv_first = case
+    rng = np.random.default_rng(tokens_q * 7 + tokens)
+    state, q, q_pos, k, v, k_pos, k_ok = random_segment(rng, batch, heads, tokens_q, tokens, head_dim, n_rep, causal,
+                                                        kv_first)
+
+    def twin(state, q, q_pos, k, v):  # the XLA path, regrouping the rows (as a program lowered for a GPU does)
+        rows = attention.Rows(q, q_pos, jnp.bfloat16, token_major=True)
+        return attention.segment(state, rows, k, v, k_pos, k_ok, window, causal=causal, keys_token_major=kv_first)
+
+    def kernel(state, q, q_pos, k, v):
+        return attention.Softmax(*attend.segment(*state, q, q_pos, k, v, k_pos, k_ok, window, causal, amx,
+                                                 scale=head_dim**-0.5, kv_tokens_first=kv_first))
+
+    want = jax.jit(twin)(state, q, q_pos, k, v)
+    got = jax.jit(kernel)(state, q, q_pos, k, v)
     want_out, got_out = np.asarray(want.result()), np.asarray(got.result())
     # probabilities round to bfloat16 against each side's own reference (the XLA path's segment max, the kernel's
     # running one): outputs agree to that rounding, not bit for bit
     np.testing.assert_allclose(got_out, want_out, atol=2e-2)
     assert np.mean(np.abs(got_out - want_out)) < 2e-3
-    # a row that sees no key of the segment keeps its state exactly; every other row moved
-    q_pos, kp, ok = np.asarray(grouped.pos), np.asarray(k_pos), np.asarray(k_ok)
-    sees = np.broadcast_to(ok[:, None, :], (batch, rows, tokens)).copy()
+    # a query that sees no key of the segment keeps its state exactly; every other one moved
+    qp, kp, ok = np.asarray(q_pos), np.asarray(k_pos), np.asarray(k_ok)
+    sees = np.broadcast_to(ok[:, None, :], (batch, tokens_q, tokens)).copy()
     if causal:
-        sees &= kp[:, None, :] <= q_pos[:, :, None]
+        sees &= kp[:, None, :] <= qp[:, :, None]
     if window is not None:
-        sees &= q_pos[:, :, None] - kp[:, None, :] < window
-    blind = np.broadcast_to(~sees.any(-1)[:, None, :], (batch, heads, rows))
-    assert blind.any() == causal  # the causal cases' first rows see nothing (their keys come later); no other
+        sees &= qp[:, :, None] - kp[:, None, :] < window
+    blind = np.broadcast_to(~sees.any(-1)[:, :, None], (batch, tokens_q, heads * n_rep))
+    assert blind.any() == causal  # the causal cases' first queries see nothing (their keys come later); no other
     for name in ("m", "l", "acc"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name))[blind], np.asarray(getattr(state, name))[blind])
     assert not np.allclose(got_out[~blind], np.asarray(state.result())[~blind], atol=1e-3)

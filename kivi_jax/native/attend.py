@@ -25,19 +25,24 @@ def unsupported(dot_dtype, head_dim: int, softcap) -> str | None:
     return None
 
 
-def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: bool, amx: bool = True):
-    """Adds keys and values `k, v [B, H, T, D]` at `k_pos [B or 1, T]` (those with `k_ok [B or 1, T]`) to the
-    online softmax `(m, l [B, H, R], acc [B, H, R, D])` of the rows `q [B, H, R, D]` (scaled) at `q_pos [B, R]`: a
-    key counts when ok, at or before the row (`causal`) and inside its `window` (None: none). Returns the new
-    `(m, l, acc)`. `amx=False`: the kernel's scalar path (tests)."""
+def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: bool, amx: bool = True,
+            scale: float = 1.0, kv_tokens_first: bool = False):
+    """Adds keys and values `k, v [B, H, T, D]` (`[B, T, H, D]` with `kv_tokens_first`) at `k_pos [B or 1, T]`
+    (those with `k_ok [B or 1, T]`) to the online softmax `(m, l [B, Tq, Hq], acc [B, Tq, Hq, D])` of the queries
+    `q [B, Tq, Hq, D]` (float32 or bfloat16, times `scale` before their rounding to bfloat16) at `q_pos [B, Tq]`;
+    query head `h * n_rep + r` reads kv head `h`. A key counts when ok, at or before the query (`causal`) and inside
+    its `window` (None: none). Returns the new `(m, l, acc)`. `amx=False`: the kernel's scalar path (tests)."""
     if build.load() is None:
         raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
-    batch, _, _, head_dim = q.shape
+    batch = q.shape[0]
     call = jax.ffi.ffi_call("kivi_jax_chunk_attend", (jax.ShapeDtypeStruct(m.shape, jnp.float32),
                                                       jax.ShapeDtypeStruct(l.shape, jnp.float32),
                                                       jax.ShapeDtypeStruct(acc.shape, jnp.float32)),
                             input_output_aliases={6: 0, 7: 1, 8: 2})
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     i32 = lambda a: jnp.broadcast_to(a, (batch, a.shape[-1])).astype(jnp.int32)  # noqa: E731
-    return call(f32(q), q_pos.astype(jnp.int32), f32(k), f32(v), i32(k_pos), i32(k_ok), f32(m), f32(l), f32(acc),
-                window=np.int64(window or 0), causal=np.int64(causal), amx=np.int64(amx))
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        q = f32(q)
+    return call(q, q_pos.astype(jnp.int32), f32(k), f32(v), i32(k_pos), i32(k_ok), f32(m), f32(l), f32(acc),
+                window=np.int64(window or 0), causal=np.int64(causal), amx=np.int64(amx), scale=np.float32(scale),
+                kv_tokens_first=np.int64(kv_tokens_first))

@@ -44,8 +44,11 @@ inline float bf16_value(uint16_t h) {
 
 struct Segment {
   int64_t B, H, R, T, D, steps, window;
-  bool causal, amx;
-  const float *q, *k, *v;
+  int64_t Tq, Hq, n_rep;  // query tokens and heads: row r of kv head h is token r / n_rep's head h n_rep + r % n_rep
+  float scale;  // the queries' scale (1/sqrt(head_dim)), applied before their rounding to bfloat16
+  bool causal, amx, q_bf16, kv_tokens_first;
+  const void* q;
+  const float *k, *v;
   const int32_t *q_pos, *k_pos, *k_ok;
   float *m, *l, *acc;
   // keys and values of (b, h), bfloat16, zero past T: kp [T'][D] row-major (T' = steps * KEYS); vt in blocks j of 32
@@ -56,6 +59,30 @@ struct Segment {
   std::vector<int32_t> lo, hi;
 
   int64_t packed() const { return steps * KEYS * D; }  // bfloat16s of one (b, h)'s keys (or values)
+  // the state's (and the query's) element of row r of (b, h), in [B, Tq, Hq(, D)]
+  int64_t row(int64_t b, int64_t h, int64_t r) const { return (b * Tq + r / n_rep) * Hq + h * n_rep + r % n_rep; }
+  // key (or value) t of (b, h): [B, T, H, D] when kv_tokens_first, else [B, H, T, D]
+  const float* key_row(const float* x, int64_t bh, int64_t t) const {
+    const int64_t b = bh / H, h = bh % H;
+    return x + (kv_tokens_first ? (b * T + t) * H + h : bh * T + t) * D;
+  }
+  // D/32 blocks of row r's query, times the scale, in float32 (32 at a time)
+  void query(int64_t b, int64_t h, int64_t r, int64_t d0, float* out) const {
+    const int64_t at = row(b, h, r) * D + d0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t d = 0; d < 32; d += 16) {
+      const __m512 x = q_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                    (const __m256i*)(static_cast<const uint16_t*>(q) + at + d))), 16))
+                              : _mm512_loadu_ps(static_cast<const float*>(q) + at + d);
+      _mm512_storeu_ps(out + d, _mm512_mul_ps(x, sv));
+    }
+#else
+    for (int64_t d = 0; d < 32; ++d)
+      out[d] = (q_bf16 ? bf16_value(static_cast<const uint16_t*>(q)[at + d]) : static_cast<const float*>(q)[at + d]) *
+               scale;
+#endif
+  }
 };
 
 // One item's working set: its rows' bfloat16 queries (row-major, and for AMX as B tiles: qt[(g * (D / 32) + c) *
@@ -84,18 +111,17 @@ inline __m512i bf16_words(const float* x) {  // 16 floats -> their bfloat16s, ea
 
 void pack(Segment& a, int64_t bh) {
   const int64_t D = a.D, T = a.T, blocks = a.steps * KEYS / 32;
-  const float* k = a.k + bh * T * D;
-  const float* v = a.v + bh * T * D;
   uint16_t* kp = a.kp.data() + bh * a.packed();
   uint16_t* vt = a.vt.data() + bh * a.packed();
-  for (int64_t i = 0; i < T * D; i += 32) _mm512_storeu_si512(kp + i, bf16_pairs(k + i));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(kp + t * D + d, bf16_pairs(a.key_row(a.k, bh, t) + d));
   for (int64_t j = 0; j < blocks; ++j)
     for (int64_t c = 0; c < D / 16; ++c) {
       __m512i r[16];  // r[kk]: (key 2 kk, key 2 kk + 1) of each of 16 channels; transposed, r[dd]: channel dd's keys
       for (int64_t kk = 0; kk < 16; ++kk) {
         const int64_t t = 32 * j + 2 * kk;
-        const __m512i even = t < T ? bf16_words(v + t * D + 16 * c) : _mm512_setzero_si512();
-        const __m512i odd = t + 1 < T ? bf16_words(v + (t + 1) * D + 16 * c) : _mm512_setzero_si512();
+        const __m512i even = t < T ? bf16_words(a.key_row(a.v, bh, t) + 16 * c) : _mm512_setzero_si512();
+        const __m512i odd = t + 1 < T ? bf16_words(a.key_row(a.v, bh, t + 1) + 16 * c) : _mm512_setzero_si512();
         r[kk] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
       }
       transpose16(r);
@@ -107,15 +133,14 @@ constexpr bool VECTOR_PACK = false;
 
 void pack(Segment& a, int64_t bh) {
   const int64_t D = a.D, T = a.T, blocks = a.steps * KEYS / 32;
-  const float* k = a.k + bh * T * D;
-  const float* v = a.v + bh * T * D;
   uint16_t* kp = a.kp.data() + bh * a.packed();
   uint16_t* vt = a.vt.data() + bh * a.packed();
-  for (int64_t i = 0; i < T * D; ++i) kp[i] = bf16_bits(k[i]);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) kp[t * D + d] = bf16_bits(a.key_row(a.k, bh, t)[d]);
   for (int64_t j = 0; j < blocks; ++j)
     for (int64_t n = 0; n < 32 && 32 * j + n < T; ++n)
       for (int64_t d = 0; d < D; ++d)
-        vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n] = bf16_bits(v[(32 * j + n) * D + d]);
+        vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n] = bf16_bits(a.key_row(a.v, bh, 32 * j + n)[d]);
 }
 #endif
 
@@ -320,17 +345,24 @@ inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint
 }
 #endif
 
-// The item's rows `row0 + [0, nr)` into its working set: their queries as bfloat16 (row-major for the scalar dots, B
-// tiles for AMX; zero past nr) and their accumulators transposed.
-void load_rows(const Segment& a, Item& it, int64_t row0, int64_t nr) {
+// The item's rows r0 + [0, nr) of (b, h) into its working set: their queries scaled and rounded to bfloat16
+// (row-major for the scalar dots, B tiles for AMX; zero past nr) and their accumulators transposed.
+void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a.D;
+  alignas(64) float qf[32];
   if (VECTOR_PACK && a.amx) {
 #if KIVI_AMX && defined(__AVX512BF16__)
     for (int64_t g = 0; g < 2; ++g) {
       for (int64_t c = 0; c < D / 32; ++c) {
         __m512i r[16];  // r[n]: row 16 g + n's channel pairs of block c; transposed, r[kk]: pair kk of the 16 rows
-        for (int64_t n = 0; n < 16; ++n)
-          r[n] = 16 * g + n < nr ? bf16_pairs(a.q + (row0 + 16 * g + n) * D + 32 * c) : _mm512_setzero_si512();
+        for (int64_t n = 0; n < 16; ++n) {
+          if (16 * g + n >= nr) {
+            r[n] = _mm512_setzero_si512();
+            continue;
+          }
+          a.query(b, h, r0 + 16 * g + n, 32 * c, qf);
+          r[n] = bf16_pairs(qf);
+        }
         transpose16(r);
         for (int64_t kk = 0; kk < 16; ++kk)
           _mm512_storeu_si512(it.qt.data() + (g * (D / 32) + c) * TILE + kk * 32, r[kk]);
@@ -338,7 +370,8 @@ void load_rows(const Segment& a, Item& it, int64_t row0, int64_t nr) {
       for (int64_t c = 0; c < D / 16; ++c) {
         __m512i r[16];  // r[n]: row 16 g + n's channels 16 c..; transposed, r[dd]: channel 16 c + dd of the rows
         for (int64_t n = 0; n < 16; ++n)
-          r[n] = 16 * g + n < nr ? _mm512_loadu_si512(a.acc + (row0 + 16 * g + n) * D + 16 * c) : _mm512_setzero_si512();
+          r[n] = 16 * g + n < nr ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
+                                 : _mm512_setzero_si512();
         transpose16(r);
         for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
       }
@@ -347,20 +380,23 @@ void load_rows(const Segment& a, Item& it, int64_t row0, int64_t nr) {
     return;
   }
   for (int64_t i = 0; i < ROWS; ++i)
-    for (int64_t d = 0; d < D; ++d) {
-      const uint16_t x = i < nr ? bf16_bits(a.q[(row0 + i) * D + d]) : 0;
-      it.qb[i * D + d] = x;
-      it.qt[((i / 16) * (D / 32) + d / 32) * TILE + (d % 32 / 2) * 32 + (i % 16) * 2 + d % 2] = x;
-      it.acct[d * ROWS + i] = i < nr ? a.acc[(row0 + i) * D + d] : 0.f;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      if (i < nr) a.query(b, h, r0 + i, d0, qf);
+      for (int64_t d = d0; d < d0 + 32; ++d) {
+        const uint16_t x = i < nr ? bf16_bits(qf[d - d0]) : 0;
+        it.qb[i * D + d] = x;
+        it.qt[((i / 16) * (D / 32) + d / 32) * TILE + (d % 32 / 2) * 32 + (i % 16) * 2 + d % 2] = x;
+        it.acct[d * ROWS + i] = i < nr ? a.acc[a.row(b, h, r0 + i) * D + d] : 0.f;
+      }
     }
 }
 
-// The item's rows back: accumulators, maxima and sums.
-void store_rows(const Segment& a, const Item& it, int64_t row0, int64_t nr) {
+// The item's rows back: accumulators, references and sums.
+void store_rows(const Segment& a, const Item& it, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a.D;
   for (int64_t i = 0; i < nr; ++i) {
-    a.m[row0 + i] = it.m[i];
-    a.l[row0 + i] = it.l[i];
+    a.m[a.row(b, h, r0 + i)] = it.m[i];
+    a.l[a.row(b, h, r0 + i)] = it.l[i];
   }
 #if defined(__AVX512F__)
   for (int64_t g = 0; g < 2; ++g)
@@ -369,11 +405,11 @@ void store_rows(const Segment& a, const Item& it, int64_t row0, int64_t nr) {
       for (int64_t dd = 0; dd < 16; ++dd) r[dd] = _mm512_loadu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g]);
       transpose16(r);
       for (int64_t n = 0; n < 16 && 16 * g + n < nr; ++n)
-        _mm512_storeu_si512(a.acc + (row0 + 16 * g + n) * D + 16 * c, r[n]);
+        _mm512_storeu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c, r[n]);
     }
 #else
   for (int64_t i = 0; i < nr; ++i)
-    for (int64_t d = 0; d < D; ++d) a.acc[(row0 + i) * D + d] = it.acct[d * ROWS + i];
+    for (int64_t d = 0; d < D; ++d) a.acc[a.row(b, h, r0 + i) * D + d] = it.acct[d * ROWS + i];
 #endif
 }
 
@@ -384,15 +420,15 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
   if ((int64_t)it.acct.size() < D * ROWS) it = Item(D);
   int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
   for (int64_t i = 0; i < ROWS; ++i) {
-    const int64_t row = bh * a.R + r0 + i;
+    const int64_t row = i < nr ? a.row(b, h, r0 + i) : 0;
     it.m[i] = i < nr ? a.m[row] : NEG_INF;
     it.l[i] = i < nr ? a.l[row] : 0.f;
-    it.qpos[i] = i < nr ? a.q_pos[b * a.R + r0 + i] : 0;
+    it.qpos[i] = i < nr ? a.q_pos[b * a.Tq + (r0 + i) / a.n_rep] : 0;
     if (i >= nr) continue;
     qlo = std::min(qlo, it.qpos[i]);
     qhi = std::max(qhi, it.qpos[i]);
   }
-  load_rows(a, it, bh * a.R + r0, nr);
+  load_rows(a, it, b, h, r0, nr);
   const uint16_t* kp = a.kp.data() + bh * a.packed();
   const uint16_t* vt = a.vt.data() + bh * a.packed();
   const int32_t* kpos = a.k_pos + b * a.T;
@@ -424,28 +460,36 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
 #if KIVI_AMX
   if (a.amx) _tile_release();
 #endif
-  store_rows(a, it, bh * a.R + r0, nr);
+  store_rows(a, it, b, h, r0, nr);
 }
 
-ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> q_pos,
+ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> q_pos,
                            ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> k_pos,
                            ffi::Buffer<ffi::S32> k_ok, ffi::Buffer<ffi::F32> m_in, ffi::Buffer<ffi::F32> l_in,
                            ffi::Buffer<ffi::F32> acc_in, ffi::ResultBuffer<ffi::F32> m_out,
                            ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> acc_out, int64_t window,
-                           int64_t causal, int64_t amx) {
+                           int64_t causal, int64_t amx, float scale, int64_t kv_tokens_first) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("chunk_attend: q, k must be 4-d");
+  if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("chunk_attend: q must be float32 or bfloat16");
   Segment a;
-  a.B = qd[0], a.H = qd[1], a.R = qd[2], a.D = qd[3], a.T = kd[2];
-  if (kd[0] != a.B || kd[1] != a.H || kd[3] != a.D || v.element_count() != k.element_count())
-    return ffi::Error::InvalidArgument("chunk_attend: k, v must be [B, H, T, D] of q's B, H, D");
+  a.B = qd[0], a.Tq = qd[1], a.Hq = qd[2], a.D = qd[3];
+  a.kv_tokens_first = kv_tokens_first != 0;
+  a.H = a.kv_tokens_first ? kd[2] : kd[1], a.T = a.kv_tokens_first ? kd[1] : kd[2];
+  if (kd[0] != a.B || kd[3] != a.D || a.H < 1 || a.Hq % a.H || v.element_count() != k.element_count())
+    return ffi::Error::InvalidArgument("chunk_attend: k, v must be [B, H, T, D] (or [B, T, H, D]) of q's B and D, "
+                                       "H dividing q's heads");
+  a.n_rep = a.Hq / a.H, a.R = a.Tq * a.n_rep;
   if (a.D % 32 != 0) return ffi::Error::InvalidArgument("chunk_attend: head_dim must be a multiple of 32");
-  if (q_pos.element_count() != (size_t)(a.B * a.R) || k_pos.element_count() != (size_t)(a.B * a.T) ||
+  if (q_pos.element_count() != (size_t)(a.B * a.Tq) || k_pos.element_count() != (size_t)(a.B * a.T) ||
       k_ok.element_count() != (size_t)(a.B * a.T))
-    return ffi::Error::InvalidArgument("chunk_attend: q_pos [B, R], k_pos and k_ok [B, T]");
-  if (m_in.element_count() != (size_t)(a.B * a.H * a.R) || l_in.element_count() != m_in.element_count() ||
+    return ffi::Error::InvalidArgument("chunk_attend: q_pos [B, Tq], k_pos and k_ok [B, T]");
+  if (m_in.element_count() != (size_t)(a.B * a.Tq * a.Hq) || l_in.element_count() != m_in.element_count() ||
       acc_in.element_count() != q.element_count())
-    return ffi::Error::InvalidArgument("chunk_attend: m, l [B, H, R] and acc [B, H, R, D]");
+    return ffi::Error::InvalidArgument("chunk_attend: m, l [B, Tq, Hq] and acc [B, Tq, Hq, D]");
+  a.scale = scale;
+  a.q_bf16 = q.element_type() == ffi::DataType::BF16;
   a.steps = (a.T + KEYS - 1) / KEYS;
   a.window = window > 0 ? window : 0;
   a.causal = causal != 0;
@@ -454,7 +498,7 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 #else
   a.amx = false;
 #endif
-  a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data();
+  a.q = q.untyped_data(), a.k = k.typed_data(), a.v = v.typed_data();
   a.q_pos = q_pos.typed_data(), a.k_pos = k_pos.typed_data(), a.k_ok = k_ok.typed_data();
   a.m = m_out->typed_data(), a.l = l_out->typed_data(), a.acc = acc_out->typed_data();
   if (a.m != m_in.typed_data()) std::memcpy(a.m, m_in.typed_data(), m_in.size_bytes());
@@ -483,18 +527,20 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, H, R, D], scaled
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [B, R]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [B, H, T, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [B, H, T, D]
+                                  .Arg<ffi::AnyBuffer>()         // q [B, Tq, Hq, D] float32 or bfloat16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [B, Tq]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [B, H, T, D] (or [B, T, H, D])
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v, as k
                                   .Arg<ffi::Buffer<ffi::S32>>()  // k_pos [B, T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // k_ok [B, T]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [B, H, R]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // l [B, H, R]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // acc [B, H, R, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [B, Tq, Hq]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // l [B, Tq, Hq]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // acc [B, Tq, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m (aliases the input)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Ret<ffi::Buffer<ffi::F32>>()  // acc
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("causal")
-                                  .Attr<int64_t>("amx"));
+                                  .Attr<int64_t>("amx")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("kv_tokens_first"));
