@@ -639,7 +639,8 @@ def decode_kivi_xla(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) takes the XLA path on every backend.
+# Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) the XLA path, its bfloat16 segments on an AMX
+# CPU the native chunk kernel (`segment`, `chunk_native` above).
 
 
 def use_pallas(impl: str, tpu_kernel: bool = False) -> bool:
