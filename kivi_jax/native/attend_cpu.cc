@@ -1,15 +1,17 @@
 // A prefill chunk's attention segment on the CPU, an XLA FFI handler (docs/kernels.md "Chunk attention"). Its
-// contract is kivi_jax.attention.segment's XLA path with bfloat16 dots: query rows q [B, H, R, D] (scaled, grouped
-// by kv head) at positions q_pos [B, R] add keys and values k, v [B, H, T, D] at positions k_pos [B, T], those with
-// k_ok [B, T] set, to their online softmax (m, l [B, H, R], acc [B, H, R, D], updated in place): a key counts for a
-// row when it is ok, at or before the row's position (`causal`) and less than `window` positions before it (0: no
-// window). q, k, p and v are rounded to bfloat16 and their products summed in float32, as XLA's bfloat16 dots do;
+// contract is kivi_jax.attention.segment's XLA path with bfloat16 dots: the chunk's queries q [B, Tq, Hq, D] (float32
+// or bfloat16, times `scale` before their rounding) at q_pos [B, Tq] add keys and values k, v [B, H, T, D] (or
+// [B, T, H, D]: `kv_tokens_first`) at positions k_pos [B, T], those with k_ok [B, T] set, to their online softmax
+// (m, l [B, Tq, Hq], acc [B, Tq, Hq, D], updated in place); query head h n_rep + r reads kv head h. A key counts for
+// a query when it is ok, at or before the query's position (`causal`) and less than `window` positions before it (0:
+// no window). q, k, p and v are rounded to bfloat16 and their products summed in float32, as XLA's bfloat16 dots do;
 // scores, the softmax and its sums stay float32.
 //
-// Work items are (sequence, kv head, 32 query rows), shared out on XLA's intra-op pool; an item walks the keys 64 at
-// a time, skipping a step none of whose keys any of its rows sees (the causal upper triangle, the window, keys not
-// ok), flash-attention style and transposed, so that every softmax operation runs down AVX-512 lanes of 16 rows
-// (no reduction across lanes): scores S^T = K Q^T in AMX tiles (keys by rows), the softmax a key at a time, then
+// Work items are (sequence, kv head, 32 rows), a row being one query head of one token (row r of kv head h: token
+// r / n_rep, head h n_rep + r % n_rep), shared out on XLA's intra-op pool; an item walks the keys 64 at a time,
+// skipping a step none of whose keys any of its rows sees (the causal upper triangle, the window, keys not ok),
+// flash-attention style and transposed, so that every softmax operation runs down AVX-512 lanes of 16 rows (no
+// reduction across lanes): scores S^T = K Q^T in AMX tiles (keys by rows), the softmax a key at a time, then
 // acc^T += V^T P^T in AMX tiles onto the item's float32 accumulator (channels by rows). Keys (row-major) and values
 // (transposed) are packed as bfloat16 once a call. Without AMX (or with amx=0) the dots run scalar loops (tests,
 // other CPUs).
