@@ -68,7 +68,7 @@ struct Segment {
     const int64_t b = bh / H, h = bh % H;
     return x + (kv_tokens_first ? (b * T + t) * H + h : bh * T + t) * D;
   }
-  // D/32 blocks of row r's query, times the scale, in float32 (32 at a time)
+  // channels [d0, d0 + 32) of row r's query, times the scale, in float32
   void query(int64_t b, int64_t h, int64_t r, int64_t d0, float* out) const {
     const int64_t at = row(b, h, r) * D + d0;
 #if defined(__AVX512F__)
