@@ -172,10 +172,7 @@ def stored_range(pos: jax.Array, begin, end: jax.Array) -> jax.Array:
 def stored_mask(pos: jax.Array, begin, end: jax.Array, rows: Rows, window: int | None) -> jax.Array:
     """`[batch, rows or 1, tokens]`: stored positions `pos [tokens]` in `[begin, end)` per sequence (`begin` a scalar
     or `[batch]`) and inside each row's sliding window. Stored tokens precede every new token: no causal test."""
-    ok = stored_range(pos, begin, end)[:, None, :]
-    if window is not None:
-        ok = ok & (rows.pos[:, :, None] - pos[None, None, :] < window)
-    return ok
+    return key_mask(rows, pos[None, :], stored_range(pos, begin, end), window, causal=False)
 
 
 def masked(scores: jax.Array, valid: jax.Array, softcap: float | None = None) -> jax.Array:
@@ -222,29 +219,33 @@ def segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_
 def dense_segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_pos: jax.Array,
                   key_ok: jax.Array, window: int | None, softcap: float | None, causal: bool) -> Softmax:
     """`segment`'s XLA path for grouped rows: scores, the mask, the softmax update, probabilities times values."""
+    valid = key_mask(rows, key_pos, key_ok, window, causal)
+    return state.update(masked(scores_of(rows, keys), valid, softcap), lambda p: dense_values(p, values, rows.dot_dtype))
+
+
+def key_mask(rows: Rows, key_pos: jax.Array, key_ok: jax.Array, window: int | None, causal: bool) -> jax.Array:
+    """`[batch, rows or 1, tokens]`: which keys (at `key_pos [batch or 1, tokens]`, those with `key_ok [batch or 1,
+    tokens]`) each grouped row sees: at or before it when `causal`, inside its sliding `window`."""
     valid = jnp.broadcast_to(key_ok, (rows.pos.shape[0], key_ok.shape[-1]))[:, None, :]  # [batch, 1, tokens]
     if causal:
-        valid = valid & layout.visible(key_pos, rows.pos, window)
-    elif window is not None:
-        valid = valid & (rows.pos[:, :, None] - key_pos[:, None, :] < window)
-    return state.update(masked(scores_of(rows, keys), valid, softcap), lambda p: dense_values(p, values, rows.dot_dtype))
+        return valid & layout.visible(key_pos, rows.pos, window)
+    if window is not None:
+        return valid & (rows.pos[:, :, None] - key_pos[:, None, :] < window)
+    return valid
 
 
 def chunk_native(impl: str, rows: Rows, softcap: float | None) -> bool:
     """Whether a chunk's segments take the native kernel: `auto` or `native` on the CPU backend with the kernels
     built, bfloat16 rows (`Rows.dot_dtype`), no soft-cap, a head dim the kernel takes, no device mesh (XLA partitions
     the XLA path); a forced `native` says why not."""
-    if impl not in ("auto", "native", "native-int8") or jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or not use_native(impl):  # (a failed build has warned once already)
         return False
-    from kivi_jax import native
     from kivi_jax.mesh_scope import active_mesh
     from kivi_jax.native import attend
 
     reason = attend.unsupported(rows.dot_dtype, rows.q.shape[-1], softcap)
     if reason is None and active_mesh() is not None:
         reason = "a device mesh is active"
-    if reason is None and not native.available():
-        reason = f"the native kernels are unavailable ({native.error()})"
     if reason is not None and rows.dot_dtype == jnp.bfloat16:
         fall_back(impl, f"a chunk's attention: {reason}")
     return reason is None

@@ -37,13 +37,6 @@ inline uint16_t bf16_bits(float f) {  // round to nearest even, as XLA converts 
   return (uint16_t)(u >> 16);
 }
 
-inline float bf16_value(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 struct Segment {
   int64_t B, H, R, T, D, steps, window;
   int64_t Tq, Hq, n_rep;  // query tokens and heads: row r of kv head h is token r / n_rep's head h n_rep + r % n_rep
@@ -71,19 +64,9 @@ struct Segment {
   // channels [d0, d0 + 32) of row r's query, times the scale, in float32
   void query(int64_t b, int64_t h, int64_t r, int64_t d0, float* out) const {
     const int64_t at = row(b, h, r) * D + d0;
-#if defined(__AVX512F__)
-    const __m512 sv = _mm512_set1_ps(scale);
-    for (int64_t d = 0; d < 32; d += 16) {
-      const __m512 x = q_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                    (const __m256i*)(static_cast<const uint16_t*>(q) + at + d))), 16))
-                              : _mm512_loadu_ps(static_cast<const float*>(q) + at + d);
-      _mm512_storeu_ps(out + d, _mm512_mul_ps(x, sv));
-    }
-#else
-    for (int64_t d = 0; d < 32; ++d)
-      out[d] = (q_bf16 ? bf16_value(static_cast<const uint16_t*>(q)[at + d]) : static_cast<const float*>(q)[at + d]) *
-               scale;
-#endif
+    for (int64_t d = 0; d < 32; d += W)
+      vstore(out + d, (q_bf16 ? bf16_load(static_cast<const uint16_t*>(q) + at + d)
+                              : vload(static_cast<const float*>(q) + at + d)) * scale);
   }
 };
 
@@ -170,7 +153,7 @@ void scores_scalar(const Segment& a, const Item& it, const uint16_t* kp, int64_t
     const uint16_t* key = kp + (s * KEYS + n) * D;
     for (int64_t i = 0; i < ROWS; ++i) {
       float sum = 0.f;
-      for (int64_t d = 0; d < D; ++d) sum += bf16_value(it.qb[i * D + d]) * bf16_value(key[d]);
+      for (int64_t d = 0; d < D; ++d) sum += bf16_to_float(it.qb[i * D + d]) * bf16_to_float(key[d]);
       st[n * ROWS + i] = sum;
     }
   }
@@ -185,7 +168,7 @@ void values_scalar(const Segment& a, Item& it, const uint16_t* vt, int64_t s) {
       for (int64_t n = 0; n < KEYS; ++n) {
         const int64_t j = s * KEYS / 32 + n / 32, n32 = n % 32;
         const uint16_t p = it.pt[(i / 16 * 2 + n / 32) * TILE + (n32 / 2) * 32 + (i % 16) * 2 + n32 % 2];
-        sum += bf16_value(p) * bf16_value(vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n32]);
+        sum += bf16_to_float(p) * bf16_to_float(vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n32]);
       }
       it.acct[d * ROWS + i] += sum;
     }
