@@ -216,7 +216,7 @@ def test_bf16_native_matmul_equals_the_xla_twin(rows, cols):
     assert w.fmt == "bf16" and w.num_cols == cols and np.array_equal(np.asarray(w.dequantize()), rounded)
     assert w.nbytes == m.size * 2 + 3 * rows * 4  # half the float32 matrix, and a scale a row
     f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
-    for batch in (1, 2, 3, 7, 8, 13, 16, 17, 32, 45, 64, 65):
+    for batch in (1, 2, 3, 7, 8, 13, 16, 17, 32, 45, 64, 65, 300):  # 300: parts of 128 activation rows, and 44
         x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)
         want = np.asarray(x.astype(jnp.bfloat16), np.float64) @ rounded[2].T.astype(np.float64)
         ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))

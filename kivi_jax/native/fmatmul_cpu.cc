@@ -39,18 +39,19 @@ inline void pack_rows(const float* x, int64_t N, int64_t C, int64_t n0, uint32_t
   }
 }
 
-// Outputs [r0, r1) (whole 16s) of y [N, R] = (x W^T) * scale for the packed activations xp (`pack_rows`) and the
-// weights w [R, C] (C a multiple of 32) at row r0: each accumulator (16 outputs by 16 activation rows) transposed
-// in registers and stored a row of 16 outputs at a time, scaled.
-inline void amx_block(const uint32_t* xp, int64_t N, int64_t n16, int64_t C, const uint16_t* w, const float* scale,
-                      float* y, int64_t R, int64_t r0, int64_t r1) {
+// Outputs [r0, r1) (whole 16s) of y [N, R] = (x W^T) * scale for activation rows [n0, n1) (n0 a multiple of 32, n1
+// of 16 or N's rounding up to 16) of the packed activations xp (`pack_rows`) and the weights w [R, C] (C a multiple
+// of 32) at row r0: each accumulator (16 outputs by 16 activation rows) transposed in registers and stored a row of
+// 16 outputs at a time, scaled.
+inline void amx_block(const uint32_t* xp, int64_t N, int64_t n0, int64_t n1, int64_t C, const uint16_t* w,
+                      const float* scale, float* y, int64_t R, int64_t r0, int64_t r1) {
   load_square_tiles();
   const int64_t P = C / 2;
   alignas(64) float out[4][16 * 16];
   for (int64_t r = r0; r < r1; r += 32) {
     const bool two = r + 32 <= r1;  // 32 outputs, else 16
-    for (int64_t nb = 0; nb < n16; nb += 32) {
-      const bool pair = nb + 16 < n16;  // 32 activation rows, else 16
+    for (int64_t nb = n0; nb < n1; nb += 32) {
+      const bool pair = nb + 16 < n1;  // 32 activation rows, else 16
       const uint32_t* b0 = xp + nb / 16 * P * 16;
       const uint32_t* b1 = b0 + P * 16;
       _tile_zero(0);
@@ -93,6 +94,7 @@ inline void amx_block(const uint32_t* xp, int64_t N, int64_t n16, int64_t C, con
 
 constexpr int64_t AXPY_ITEM = AXPY_NV * W;       // output units a work item of a projection takes
 constexpr int64_t DOT_ITEM = 64;                // ... of a table
+constexpr int64_t PART_ROWS = 128;              // activation rows an AMX work item of a bfloat16 matrix takes
 
 struct FArgs {
   const float* w;    // the layer's matrix
@@ -191,25 +193,40 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     first[i + 1] = first[i] + (a.R + DOT_ITEM - 1) / DOT_ITEM;
   }
   const float* xp = x.typed_data();
+  int64_t parts = 1;  // AMX items: a block of DOT_ITEM outputs by PART_ROWS activation rows (a prefill's many rows)
 #if KIVI_AMX
-  // x's bfloat16 bits (its values are bfloat16's: the top half of each float) as B tiles (`pack_rows`)
+  // x's bfloat16 bits (its values are bfloat16's: the top half of each float) as B tiles (`pack_rows`), 16 rows an
+  // item, into this thread's buffer: kept between calls (a fresh one costs its page faults, 15% of a 512-row call),
+  // on a cache line (tile rows that straddle two load slower), never zeroed (pack_rows writes every word)
   const bool amx = C % 32 == 0 && amx_allowed();
   const int64_t n16 = (N + 15) / 16 * 16;
-  std::vector<uint32_t> packed(amx ? C / 2 * n16 : 0);
-  for (int64_t n0 = 0; amx && n0 < n16; n0 += 16) pack_rows(xp, N, C, n0, packed.data());
+  thread_local line_vector<uint32_t> packed_rows;
+  if (amx && packed_rows.size() < (size_t)(C / 2 * n16)) packed_rows.resize(C / 2 * n16);
+  uint32_t* const packed = packed_rows.data();
+  if (amx) {
+    const auto pack = [&](int64_t b) { pack_rows(xp, N, C, 16 * b, packed); };
+    if (n16 > PART_ROWS) {
+      parallel_for(pool, n16 / 16, pack);
+    } else {  // a decode step's few rows: not worth the pool
+      for (int64_t b = 0; b < n16 / 16; ++b) pack(b);
+    }
+    parts = (n16 + PART_ROWS - 1) / PART_ROWS;
+  }
 #endif
-  parallel_for(pool, first[M], [&](int64_t it) {
+  parallel_for(pool, first[M] * parts, [&](int64_t item) {
+    const int64_t it = item / parts, part = item % parts;
     size_t i = 0;
     while (it >= first[i + 1]) ++i;
     const BArgs& a = mats[i];
     int64_t r0 = (it - first[i]) * DOT_ITEM;
     const int64_t r1 = std::min(a.R, r0 + DOT_ITEM);
 #if KIVI_AMX
-    if (amx) {  // whole 16s of outputs in tiles, the rest below
+    if (amx) {  // whole 16s of outputs in tiles, the rest below (by the item of part 0, for every activation row)
       const int64_t r16 = r0 + (r1 - r0) / 16 * 16;
-      if (r16 > r0) amx_block(packed.data(), N, n16, C, a.w + r0 * C, a.scale, a.y, a.R, r0, r16);
+      const int64_t n0 = part * PART_ROWS, n1 = std::min(n16, n0 + PART_ROWS);
+      if (r16 > r0) amx_block(packed, N, n0, n1, C, a.w + r0 * C, a.scale, a.y, a.R, r0, r16);
       r0 = r16;
-      if (r0 == r1) return;
+      if (r0 == r1 || part > 0) return;
     }
 #endif
     const int64_t next_rows = std::max<int64_t>(0, std::min(a.R, r1 + DOT_ITEM) - r1);

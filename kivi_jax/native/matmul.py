@@ -20,9 +20,10 @@ BITS = (4, 8)
 
 def bf16_rows() -> int:
     """Activation rows a bf16 matrix takes the native kernel for; more go to XLA's bfloat16 dot. With AMX the kernel
-    runs tiles and wins up to 64 rows (a SmolLM2 step at 32 rows 0.75x, at 64 0.90x XLA's, docs/kernels.md); without
-    it, widening the weights, only up to 16 (at 32 rows a tie, at 64 1.4x XLA's)."""
-    return 64 if build.has_amx() else 16
+    runs tiles and takes any number (a SmolLM2 step at 32 rows 0.75x, at 64 0.90x XLA's; a 512- or 1,536-token
+    prefill 0.89-0.91x, docs/kernels.md); without it, widening the weights, only up to 16 (at 32 rows a tie, at 64
+    1.4x XLA's)."""
+    return 1 << 30 if build.has_amx() else 16
 
 
 BF16_ROWS = bf16_rows()
