@@ -575,16 +575,73 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     `impl`: a chunk's dense segments may take the native kernel (`chunk_native`; "xla": never). Returns `[batch, T,
     q_heads, head_dim]` in q's dtype.
     """
-    kv_heads, num_tokens = k_store.kv_heads, k_store.max_tokens
-    residual = k_ring.shape[2]
-    num_sinks = 0 if sinks is None else sinks[0].shape[2]
-    rows = group_queries(q, positions, kv_heads)
-    main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
-    block = block_size(num_tokens, max(k_store.block_multiple, v_store.block_multiple), block)  # whole groups, pages
+    rows = group_queries(q, positions, k_store.kv_heads)
     native = chunk_native(impl, rows, softcap) and not int8_dots
     many = many_rows(rows.q.shape[2])
     if native:
         rows = as_token_major(q, positions, rows)
+        from kivi_jax.native import attend
+
+        if attend.unsupported_store(k_store, v_store, inv_freq) is None:  # every segment in one call of the kernel
+            def walk() -> jax.Array:
+                return segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
+                                num_new, window, block, sinks, inv_freq, softcap, rows, many, native)
+
+            def one_call() -> jax.Array:
+                state = chunk_in_one_call(rows, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
+                                          positions, num_new, window, sinks)
+                return rows_out(state, rows, q)
+
+            return jax.lax.platform_dependent(cpu=one_call, default=walk)  # a GPU or TPU lowering: the segments
+    return segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
+                    block, sinks, inv_freq, softcap, rows, many, native, int8_dots)
+
+
+def chunk_in_one_call(rows: Rows, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, positions, num_new,
+                      window, sinks) -> Softmax:
+    """A chunk's attention over a KIVI cache in one call of the native kernel (`attend.segment(..., store=...)`):
+    the stores read in place (their tokens with both key and value quantized, past the sinks), then the sinks, the
+    ring and the new tokens as dense keys, all under one causal rule (every stored token precedes every new one).
+    The same keys, positions and masks as `segments`' walk, which is its twin."""
+    from kivi_jax.native import attend
+
+    residual = k_ring.shape[2]
+    batch = length.shape[0]
+    num_sinks = 0 if sinks is None else sinks[0].shape[2]
+    main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
+    held = layout.ring_tokens(length, residual)  # [batch, R]
+    k_win = window_tensor(k_store, layer, k_ring, held, length)  # [batch, kv_heads, R, head_dim] float32
+    v_win = window_tensor(v_store, layer, v_ring, held, length)
+    in_ring = (held >= main_end[:, None]) & (held >= num_sinks)  # [batch, R]; never-written slots < 0
+    tokens_first = lambda a: jnp.swapaxes(a.astype(jnp.float32), 1, 2)  # noqa: E731  [batch, tokens, kv_heads, D]
+    keys, values, pos, ok = [tokens_first(k_win)], [tokens_first(v_win)], [held], [in_ring]
+    if num_sinks:
+        sink_pos = jnp.arange(num_sinks, dtype=jnp.int32)
+        keys.insert(0, tokens_first(sinks[0]))
+        values.insert(0, tokens_first(sinks[1]))
+        pos.insert(0, jnp.broadcast_to(sink_pos, (batch, num_sinks)))
+        ok.insert(0, stored_range(sink_pos, 0, length))
+    keys.append(k_new.astype(jnp.float32))
+    values.append(v_new.astype(jnp.float32))
+    pos.append(positions)
+    ok.append(jnp.arange(k_new.shape[1])[None, :] < num_new[:, None])
+    state = Softmax.empty(rows.q)
+    cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+    return Softmax(*attend.segment(state.m, state.l, state.acc, rows.q, rows.pos, cat(keys), cat(values),
+                                   cat([p.astype(jnp.int32) for p in pos]), cat(ok), window, causal=True,
+                                   scale=rows.q.shape[-1] ** -0.5, kv_tokens_first=True,
+                                   store=(k_store, v_store, layer, num_sinks, main_end)))
+
+
+def segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window, block,
+             sinks, inv_freq, softcap, rows: Rows, many: bool, native: bool, int8_dots: bool = False) -> jax.Array:
+    """`attend_kivi_xla`'s walk, a segment at a time (each a native call when `native`); `many`: a chunk's many
+    query rows (`many_rows`)."""
+    num_tokens = k_store.max_tokens
+    residual = k_ring.shape[2]
+    num_sinks = 0 if sinks is None else sinks[0].shape[2]
+    main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
+    block = block_size(num_tokens, max(k_store.block_multiple, v_store.block_multiple), block)  # whole groups, pages
     state = Softmax.empty(rows.q)
     if num_sinks:
         state = sink_tokens(state, rows, *sinks, length, window, inv_freq, softcap, native)

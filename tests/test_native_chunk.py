@@ -1,7 +1,8 @@
 """The native chunk-attention kernel (`kivi_jax/native/attend_cpu.cc`) equals its twin, `attention.segment`'s XLA
 path with bfloat16 dots, on random segments: row and key counts that are not multiples of its 32-row items or
 64-key steps, head dims 32 / 64 / 128, causal and stored segments, sliding windows, keys not ok, rows that see
-nothing, a state carried in; its AMX tiles and its scalar path alike. Through the model, a bfloat16 chunked prefill
+nothing, a state carried in; its AMX tiles and its scalar path alike. A chunk over a KIVI cache in one call, the
+stores read in place, equals the XLA path's walk a segment at a time. Through the model, a bfloat16 chunked prefill
 onto KIVI and full caches gives the XLA path's logits and greedy tokens, and a program lowered for a GPU keeps the
 XLA path."""
 
@@ -12,7 +13,7 @@ import pytest
 
 import kivi_jax
 from kivi_jax import attention, native, runtime
-from kivi_jax.cache import make_cache
+from kivi_jax.cache import QuantStore, make_cache
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import cast_params, init_params
 from kivi_jax.native import attend, build
@@ -94,6 +95,83 @@ def test_the_kernel_equals_its_twin(case, amx):
     for name in ("m", "l", "acc"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name))[blind], np.asarray(getattr(state, name))[blind])
     assert not np.allclose(got_out[~blind], np.asarray(state.result())[~blind], atol=1e-3)
+
+
+def random_store(rng, lead, max_tokens, head_dim, bits, group, axis, scale_dtype):
+    """A KIVI store of random codes, scales in [0.15, 0.9] / (2^bits - 1) and mins about 0 (values of order one;
+    every token, written or not, finite)."""
+    store = QuantStore.zeros(lead, max_tokens, head_dim, bits, group, axis, scale_dtype)
+    top = 2**bits - 1
+    return store.replace(codes=jnp.asarray(rng.integers(0, 256, store.codes.shape), jnp.uint8),
+                         scale=jnp.asarray(rng.uniform(0.15 / top, 0.9 / top, store.scale.shape), scale_dtype),
+                         mn=jnp.asarray(rng.normal(0, 0.5, store.mn.shape), scale_dtype))
+
+
+STORE_CASES = [  # k_bits, v_bits, k_group, v_group, head_dim, residual, lengths, new tokens, window, sinks, scales
+    (2, 2, 32, 32, 64, 32, (300, 45), (40, 23), None, 0, jnp.float16),  # kivi2: ragged lengths and new tokens
+    (4, 2, 64, 16, 128, 64, (517, 0), (70, 70), 200, 0, jnp.bfloat16),  # an empty sequence, a window, head_dim 128
+    (2, 4, 32, 32, 32, 32, (100, 257), (33, 1), None, 4, jnp.float32),  # 2-bit rows of 8 bytes a slab; sinks
+    (8, 8, 32, 64, 64, 32, (64, 191), (17, 50), 60, 0, jnp.float16),  # 8-bit codes, a window inside the store
+]
+
+
+@pytest.mark.skipif(not build.has_amx(), reason="`auto` takes the kernel only with AMX tiles")
+@pytest.mark.parametrize("stacked, amx", [(False, True), (True, True), (True, False)],
+                         ids=["one-layer", "stacked", "stacked-scalar"])
+@pytest.mark.parametrize("case", STORE_CASES, ids=[f"k{c[0]}v{c[1]}-g{c[2]}/{c[3]}-d{c[4]}-w{c[8]}-s{c[9]}"
+                                                    for c in STORE_CASES])
+def test_a_chunk_over_a_kivi_store_in_one_call_equals_the_segments(case, stacked, amx, monkeypatch):
+    """`attend_kivi_xla` of bfloat16 rows on an AMX CPU: one kernel call reads the stores in place (the tokens whose
+    key and value are quantized, past the sinks), then the sinks, the ring (the last flushed key block where a token
+    is in both) and the new tokens; the XLA path's walk, a segment at a time, is its twin. Lengths and new tokens
+    that are multiples of no block, an empty sequence, windows, sinks, 2-, 4- and 8-bit codes, three scale dtypes;
+    the kernel's AMX tiles and its scalar path."""
+    if not amx:
+        real = attend.segment
+        monkeypatch.setattr(attend, "segment", lambda *a, **k: real(*a, **{**k, "amx": False}))
+    k_bits, v_bits, k_group, v_group, head_dim, residual, lengths, new, window, num_sinks, scale_dtype = case
+    rng = np.random.default_rng(k_bits * 10 + head_dim)
+    batch, heads, n_rep, layers, max_tokens = 2, 2, 3, 3, 640
+    lead = (layers, batch, heads) if stacked else (batch, heads)
+    layer = jnp.int32(1) if stacked else None
+    k_store = random_store(rng, lead, max_tokens, head_dim, k_bits, k_group, "channel", scale_dtype)
+    v_store = random_store(rng, lead, max_tokens, head_dim, v_bits, v_group, "token", scale_dtype)
+    ring = lambda: jnp.asarray(rng.standard_normal((batch, heads, residual, head_dim)), jnp.float32)  # noqa: E731
+    k_ring, v_ring = ring(), ring()
+    sinks = None
+    if num_sinks:
+        sinks = tuple(jnp.asarray(rng.standard_normal((batch, heads, num_sinks, head_dim)), jnp.float32)
+                      for _ in range(2))
+    length = jnp.asarray(lengths, jnp.int32)
+    tokens = max(new)
+    num_new = jnp.asarray(new, jnp.int32)
+    positions = length[:, None] + jnp.arange(tokens)[None, :]
+    q = jnp.asarray(rng.standard_normal((batch, tokens, heads * n_rep, head_dim)), jnp.bfloat16)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((batch, tokens, heads, head_dim)), jnp.float32) for _ in range(2))
+
+    def attend_with(impl):
+        return jax.jit(lambda q, k_store, v_store: attention.attend_kivi_xla(
+            q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
+            sinks=sinks, impl=impl))
+
+    assert "kivi_jax_chunk_attend" not in attend_with("xla").lower(q, k_store, v_store).as_text()
+    assert attend_with("auto").lower(q, k_store, v_store).as_text().count("custom_call @kivi_jax_chunk_attend") == 1
+    want = np.asarray(attend_with("xla")(q, k_store, v_store), np.float32)
+    got = np.asarray(attend_with("auto")(q, k_store, v_store), np.float32)
+    real_rows = np.arange(tokens)[None, :] < np.asarray(new)[:, None]  # padded new tokens: no answer asked
+    np.testing.assert_allclose(got[real_rows], want[real_rows], atol=3e-2)
+    assert np.mean(np.abs(got[real_rows] - want[real_rows])) < 3e-3
+    assert np.abs(want[real_rows]).mean() > 0.05  # the outputs are not all near zero
+
+
+def test_the_kernel_refuses_a_store_it_does_not_read():
+    s = QuantStore.zeros((1, 1), 64, 64, 2, 32, "channel", jnp.float16)
+    t = QuantStore.zeros((1, 1), 64, 64, 2, 32, "token", jnp.float16)
+    assert attend.unsupported_store(s, t, None) is None
+    assert attend.unsupported_store(t, s, None) is not None  # the axes flipped
+    assert attend.unsupported_store(s, t, jnp.ones((32,))) is not None  # keys stored before RoPE
+    assert attend.unsupported_store(s.replace(bits=3), t, None) is not None
+    assert attend.unsupported_store(s, t.replace(levels=(0.0, 1.0, 2.0, 3.0)), None) is not None  # a codebook
 
 
 def test_the_kernel_refuses_what_it_does_not_serve():

@@ -37,6 +37,56 @@ inline uint16_t bf16_bits(float f) {  // round to nearest even, as XLA converts 
   return (uint16_t)(u >> 16);
 }
 
+// One layer of a KIVI cache's stores (contiguous, uniform codes, keys after RoPE): keys per-channel (codes
+// [L, B, H, Tc, D k_bits / 8], scale and min [L, B, H, Tc / k_group, D]), values per-token (codes [L, B, H, Tc,
+// D v_bits / 8], scale and min [L, B, H, Tc, D / v_group]), planar-packed (quant.py: byte j of a row holds channels
+// j + s D / p at bits s * bits, p = 8 / bits codes a byte), read in place at `layer`; a token dequantized as
+// `code * scale + min` in float32, as attention.dequantized.
+struct Store {
+  const uint8_t *kc = nullptr, *vc = nullptr;
+  const void *ks = nullptr, *km = nullptr, *vs = nullptr, *vm = nullptr;
+  ScaleType st = F32;
+  int k_bits = 2, v_bits = 2;
+  int64_t k_group = 32, v_group = 32, B = 0, H = 0, Tc = 0, D = 0, layer = 0;
+
+  int64_t bh(int64_t b, int64_t h) const { return (layer * B + b) * H + h; }
+  // row t's codes (bits each, D of them) -> float32 codes in channel order
+  static void codes(const uint8_t* row, int bits, int64_t D, float* out) {
+    const int p = 8 / bits;
+    const int64_t slab = D / p;
+    const uint32_t mask = (1u << bits) - 1;
+#if defined(__AVX512F__)
+    if (slab % 16 == 0) {
+      for (int64_t j = 0; j < slab; j += 16) {
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+        for (int sl = 0; sl < p; ++sl)
+          _mm512_storeu_ps(out + sl * slab + j, _mm512_cvtepi32_ps(_mm512_and_si512(
+              _mm512_srli_epi32(x, bits * sl), _mm512_set1_epi32((int)mask))));
+      }
+      return;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) out[d] = (float)((row[d % slab] >> (bits * (d / slab))) & mask);
+  }
+  void key(int64_t b, int64_t h, int64_t t, float* out) const {
+    const int64_t i = bh(b, h);
+    codes(kc + (i * Tc + t) * (D * k_bits / 8), k_bits, D, out);
+    alignas(64) float sc[256], mn[256];
+    const int64_t g = (i * (Tc / k_group) + t / k_group) * D;
+    load_scales(ks, g, (int)D, st, sc);
+    load_scales(km, g, (int)D, st, mn);
+    for (int64_t d = 0; d < D; ++d) out[d] = out[d] * sc[d] + mn[d];
+  }
+  void value(int64_t b, int64_t h, int64_t t, float* out) const {
+    const int64_t i = bh(b, h), groups = D / v_group;
+    codes(vc + (i * Tc + t) * (D * v_bits / 8), v_bits, D, out);
+    alignas(64) float sc[256], mn[256];
+    load_scales(vs, (i * Tc + t) * groups, (int)groups, st, sc);
+    load_scales(vm, (i * Tc + t) * groups, (int)groups, st, mn);
+    for (int64_t d = 0; d < D; ++d) out[d] = out[d] * sc[d / v_group] + mn[d / v_group];
+  }
+};
+
 struct Segment {
   int64_t B, H, R, T, D, steps, window;
   int64_t Tq, Hq, n_rep;  // query tokens and heads: row r of kv head h is token r / n_rep's head h n_rep + r % n_rep
@@ -44,11 +94,15 @@ struct Segment {
   bool causal, amx, q_bf16, kv_tokens_first;
   const void* q;
   const float *k, *v;
-  const int32_t *q_pos, *k_pos, *k_ok;
+  const int32_t *q_pos, *k_pos, *k_ok;  // of the key axis (store tokens first, then the dense ones)
   float *m, *l, *acc;
+  // The KIVI store, when the call has one (`Store`): tokens [0, S) of the key axis are its tokens [0, S), the dense
+  // keys k, v follow (key t >= S is dense key t - S of Td); T = S + Td.
+  Store store;
+  int64_t S = 0, Td = 0;
   // keys and values of (b, h), bfloat16, zero past T: kp [T'][D] row-major (T' = steps * KEYS); vt in blocks j of 32
   // keys and c of 16 channels, vt[(j * (D / 16) + c) * TILE + dd * 32 + n] = v[32 j + n][16 c + dd]
-  std::vector<uint16_t> kp, vt;
+  uint16_t *kp, *vt;
   // per (b, step): which of its keys are ok (bit n: key KEYS s + n), and the least and greatest position among them
   std::vector<uint64_t> ok_bits;
   std::vector<int32_t> lo, hi;
@@ -56,10 +110,24 @@ struct Segment {
   int64_t packed() const { return steps * KEYS * D; }  // bfloat16s of one (b, h)'s keys (or values)
   // the state's (and the query's) element of row r of (b, h), in [B, Tq, Hq(, D)]
   int64_t row(int64_t b, int64_t h, int64_t r) const { return (b * Tq + r / n_rep) * Hq + h * n_rep + r % n_rep; }
-  // key (or value) t of (b, h): [B, T, H, D] when kv_tokens_first, else [B, H, T, D]
+  // dense key (or value) t of (b, h): [B, Td, H, D] when kv_tokens_first, else [B, H, Td, D]
   const float* key_row(const float* x, int64_t bh, int64_t t) const {
     const int64_t b = bh / H, h = bh % H;
-    return x + (kv_tokens_first ? (b * T + t) * H + h : bh * T + t) * D;
+    return x + (kv_tokens_first ? (b * Td + t) * H + h : bh * Td + t) * D;
+  }
+  // key and value t of (b, h) as float32 rows (into kbuf / vbuf for a store token), nullptr for zeros (past T, or a
+  // store token not ok: never dequantized)
+  void rows_at(int64_t bh, int64_t t, float* kbuf, float* vbuf, const float*& kr, const float*& vr) const {
+    kr = vr = nullptr;
+    if (t >= T) return;
+    if (t >= S) {
+      kr = key_row(k, bh, t - S), vr = key_row(v, bh, t - S);
+      return;
+    }
+    if (!k_ok[bh / H * T + t]) return;
+    store.key(bh / H, bh % H, t, kbuf);
+    store.value(bh / H, bh % H, t, vbuf);
+    kr = kbuf, vr = vbuf;
   }
   // channels [d0, d0 + 32) of row r's query, times the scale, in float32
   void query(int64_t b, int64_t h, int64_t r, int64_t d0, float* out) const {
@@ -75,8 +143,8 @@ struct Segment {
 // probabilities as B tiles pt[(g * 2 + jq) * TILE + kk * 32 + n * 2 + e] = p[row 16 g + n][key 32 jq + 2 kk + e],
 // and the accumulator acc^T [D][ROWS].
 struct Item {
-  std::vector<uint16_t> qb, qt, pt;
-  std::vector<float> st, acct;
+  line_vector<uint16_t> qb, qt, pt;  // (every buffer a tile reads starts on a cache line)
+  line_vector<float> st, acct;
   alignas(64) float m[ROWS], l[ROWS];
   alignas(64) int32_t qpos[ROWS];
   explicit Item(int64_t D)
@@ -95,37 +163,46 @@ inline __m512i bf16_words(const float* x) {  // 16 floats -> their bfloat16s, ea
 }
 
 void pack(Segment& a, int64_t bh) {
-  const int64_t D = a.D, T = a.T, blocks = a.steps * KEYS / 32;
-  uint16_t* kp = a.kp.data() + bh * a.packed();
-  uint16_t* vt = a.vt.data() + bh * a.packed();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(kp + t * D + d, bf16_pairs(a.key_row(a.k, bh, t) + d));
-  for (int64_t j = 0; j < blocks; ++j)
+  const int64_t D = a.D, blocks = a.steps * KEYS / 32;
+  uint16_t* kp = a.kp + bh * a.packed();
+  uint16_t* vt = a.vt + bh * a.packed();
+  thread_local line_vector<float> buf;  // a block's store keys and values, dequantized
+  if ((int64_t)buf.size() < 64 * D) buf.resize(64 * D);
+  const float *kr[32], *vr[32];
+  for (int64_t j = 0; j < blocks; ++j) {
+    for (int64_t n = 0; n < 32; ++n) a.rows_at(bh, 32 * j + n, &buf[n * D], &buf[(32 + n) * D], kr[n], vr[n]);
+    for (int64_t n = 0; n < 32; ++n)
+      for (int64_t d = 0; d < D; d += 32)
+        _mm512_storeu_si512(kp + (32 * j + n) * D + d, kr[n] ? bf16_pairs(kr[n] + d) : _mm512_setzero_si512());
     for (int64_t c = 0; c < D / 16; ++c) {
       __m512i r[16];  // r[kk]: (key 2 kk, key 2 kk + 1) of each of 16 channels; transposed, r[dd]: channel dd's keys
       for (int64_t kk = 0; kk < 16; ++kk) {
-        const int64_t t = 32 * j + 2 * kk;
-        const __m512i even = t < T ? bf16_words(a.key_row(a.v, bh, t) + 16 * c) : _mm512_setzero_si512();
-        const __m512i odd = t + 1 < T ? bf16_words(a.key_row(a.v, bh, t + 1) + 16 * c) : _mm512_setzero_si512();
+        const __m512i even = vr[2 * kk] ? bf16_words(vr[2 * kk] + 16 * c) : _mm512_setzero_si512();
+        const __m512i odd = vr[2 * kk + 1] ? bf16_words(vr[2 * kk + 1] + 16 * c) : _mm512_setzero_si512();
         r[kk] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
       }
       transpose16(r);
       for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(vt + (j * (D / 16) + c) * TILE + dd * 32, r[dd]);
     }
+  }
 }
 #else
 constexpr bool VECTOR_PACK = false;
 
 void pack(Segment& a, int64_t bh) {
-  const int64_t D = a.D, T = a.T, blocks = a.steps * KEYS / 32;
-  uint16_t* kp = a.kp.data() + bh * a.packed();
-  uint16_t* vt = a.vt.data() + bh * a.packed();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; ++d) kp[t * D + d] = bf16_bits(a.key_row(a.k, bh, t)[d]);
-  for (int64_t j = 0; j < blocks; ++j)
-    for (int64_t n = 0; n < 32 && 32 * j + n < T; ++n)
-      for (int64_t d = 0; d < D; ++d)
-        vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n] = bf16_bits(a.key_row(a.v, bh, 32 * j + n)[d]);
+  const int64_t D = a.D, blocks = a.steps * KEYS / 32;
+  uint16_t* kp = a.kp + bh * a.packed();
+  uint16_t* vt = a.vt + bh * a.packed();
+  std::vector<float> buf(2 * D);
+  for (int64_t t = 0; t < blocks * 32; ++t) {
+    const float *kr, *vr;
+    a.rows_at(bh, t, buf.data(), buf.data() + D, kr, vr);
+    const int64_t j = t / 32, n = t % 32;
+    for (int64_t d = 0; d < D; ++d) {
+      kp[t * D + d] = kr ? bf16_bits(kr[d]) : 0;
+      vt[(j * (D / 16) + d / 16) * TILE + (d % 16) * 32 + n] = vr ? bf16_bits(vr[d]) : 0;
+    }
+  }
 }
 #endif
 
@@ -414,8 +491,8 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
     qhi = std::max(qhi, it.qpos[i]);
   }
   load_rows(a, it, b, h, r0, nr);
-  const uint16_t* kp = a.kp.data() + bh * a.packed();
-  const uint16_t* vt = a.vt.data() + bh * a.packed();
+  const uint16_t* kp = a.kp + bh * a.packed();
+  const uint16_t* vt = a.vt + bh * a.packed();
   const int32_t* kpos = a.k_pos + b * a.T;
 #if KIVI_AMX
   if (a.amx) load_square_tiles();
@@ -450,10 +527,14 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
 
 ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> q_pos,
                            ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> k_pos,
-                           ffi::Buffer<ffi::S32> k_ok, ffi::Buffer<ffi::F32> m_in, ffi::Buffer<ffi::F32> l_in,
-                           ffi::Buffer<ffi::F32> acc_in, ffi::ResultBuffer<ffi::F32> m_out,
-                           ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> acc_out, int64_t window,
-                           int64_t causal, int64_t amx, float scale, int64_t kv_tokens_first) {
+                           ffi::Buffer<ffi::S32> k_ok, ffi::Buffer<ffi::U8> k_codes, ffi::AnyBuffer k_scale,
+                           ffi::AnyBuffer k_mn, ffi::Buffer<ffi::U8> v_codes, ffi::AnyBuffer v_scale,
+                           ffi::AnyBuffer v_mn, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> store_end,
+                           ffi::Buffer<ffi::F32> m_in, ffi::Buffer<ffi::F32> l_in, ffi::Buffer<ffi::F32> acc_in,
+                           ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> l_out,
+                           ffi::ResultBuffer<ffi::F32> acc_out, int64_t window, int64_t causal, int64_t amx,
+                           float scale, int64_t kv_tokens_first, int64_t k_bits, int64_t v_bits, int64_t k_group,
+                           int64_t v_group, int64_t store_begin) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("chunk_attend: q, k must be 4-d");
   if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16)
@@ -461,15 +542,50 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
   Segment a;
   a.B = qd[0], a.Tq = qd[1], a.Hq = qd[2], a.D = qd[3];
   a.kv_tokens_first = kv_tokens_first != 0;
-  a.H = a.kv_tokens_first ? kd[2] : kd[1], a.T = a.kv_tokens_first ? kd[1] : kd[2];
+  a.H = a.kv_tokens_first ? kd[2] : kd[1], a.Td = a.kv_tokens_first ? kd[1] : kd[2];
   if (kd[0] != a.B || kd[3] != a.D || a.H < 1 || a.Hq % a.H || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("chunk_attend: k, v must be [B, H, T, D] (or [B, T, H, D]) of q's B and D, "
                                        "H dividing q's heads");
   a.n_rep = a.Hq / a.H, a.R = a.Tq * a.n_rep;
-  if (a.D % 32 != 0) return ffi::Error::InvalidArgument("chunk_attend: head_dim must be a multiple of 32");
-  if (q_pos.element_count() != (size_t)(a.B * a.Tq) || k_pos.element_count() != (size_t)(a.B * a.T) ||
-      k_ok.element_count() != (size_t)(a.B * a.T))
+  if (a.D % 32 != 0 || a.D > 256)
+    return ffi::Error::InvalidArgument("chunk_attend: head_dim must be a multiple of 32, at most 256");
+  if (q_pos.element_count() != (size_t)(a.B * a.Tq) || k_pos.element_count() != (size_t)(a.B * a.Td) ||
+      k_ok.element_count() != (size_t)(a.B * a.Td))
     return ffi::Error::InvalidArgument("chunk_attend: q_pos [B, Tq], k_pos and k_ok [B, T]");
+  // the store: codes [L, B, H, Tc, D bits / 8] (Tc = 0: none), its tokens [store_begin, store_end[b]) ok
+  auto cd = k_codes.dimensions();
+  Store& st = a.store;
+  if (cd.size() != 5 || v_codes.dimensions().size() != 5)
+    return ffi::Error::InvalidArgument("chunk_attend: store codes must be [L, B, H, T, bytes]");
+  st.Tc = cd[3];
+  if (st.Tc > 0) {
+    if ((k_bits != 2 && k_bits != 4 && k_bits != 8) || (v_bits != 2 && v_bits != 4 && v_bits != 8) || k_group < 1 ||
+        st.Tc % k_group || v_group < 1 || a.D % v_group)
+      return ffi::Error::InvalidArgument("chunk_attend: store bits must be 2, 4 or 8; groups must divide T and D");
+    auto vd = v_codes.dimensions();
+    if (cd[1] != a.B || cd[2] != a.H || cd[4] != a.D * k_bits / 8 || vd[0] != cd[0] || vd[1] != a.B ||
+        vd[2] != a.H || vd[3] != st.Tc || vd[4] != a.D * v_bits / 8 ||
+        k_scale.element_count() != (size_t)(cd[0] * a.B * a.H * st.Tc / k_group * a.D) ||
+        k_mn.element_count() != k_scale.element_count() ||
+        v_scale.element_count() != (size_t)(cd[0] * a.B * a.H * st.Tc * (a.D / v_group)) ||
+        v_mn.element_count() != v_scale.element_count() || store_end.element_count() != (size_t)a.B)
+      return ffi::Error::InvalidArgument("chunk_attend: the store's codes, scales, mins and ends disagree with q, k");
+    const auto et = k_scale.element_type();
+    if (et != k_mn.element_type() || et != v_scale.element_type() || et != v_mn.element_type())
+      return ffi::Error::InvalidArgument("chunk_attend: the store's scales and mins must share one dtype");
+    if (et == ffi::DataType::F16) st.st = F16;
+    else if (et == ffi::DataType::BF16) st.st = BF16;
+    else if (et == ffi::DataType::F32) st.st = F32;
+    else return ffi::Error::InvalidArgument("chunk_attend: store scales must be float16, bfloat16 or float32");
+    st.kc = k_codes.typed_data(), st.vc = v_codes.typed_data();
+    st.ks = k_scale.untyped_data(), st.km = k_mn.untyped_data();
+    st.vs = v_scale.untyped_data(), st.vm = v_mn.untyped_data();
+    st.k_bits = (int)k_bits, st.v_bits = (int)v_bits, st.k_group = k_group, st.v_group = v_group;
+    st.B = a.B, st.H = a.H, st.D = a.D;
+    st.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), cd[0] - 1);
+    for (int64_t b = 0; b < a.B; ++b) a.S = std::max<int64_t>(a.S, std::min<int64_t>(store_end.typed_data()[b], st.Tc));
+  }
+  a.T = a.S + a.Td;
   if (m_in.element_count() != (size_t)(a.B * a.Tq * a.Hq) || l_in.element_count() != m_in.element_count() ||
       acc_in.element_count() != q.element_count())
     return ffi::Error::InvalidArgument("chunk_attend: m, l [B, Tq, Hq] and acc [B, Tq, Hq, D]");
@@ -485,12 +601,30 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
 #endif
   a.q = q.untyped_data(), a.k = k.typed_data(), a.v = v.typed_data();
   a.q_pos = q_pos.typed_data(), a.k_pos = k_pos.typed_data(), a.k_ok = k_ok.typed_data();
+  std::vector<int32_t> all_pos, all_ok;  // the key axis's with a store: its tokens' (at their index), then k_pos, k_ok
+  if (a.S > 0) {
+    all_pos.resize(a.B * a.T);
+    all_ok.resize(a.B * a.T);
+    for (int64_t b = 0; b < a.B; ++b) {
+      const int64_t end = std::min<int64_t>(store_end.typed_data()[b], a.S);
+      for (int64_t t = 0; t < a.S; ++t) {
+        all_pos[b * a.T + t] = (int32_t)t;
+        all_ok[b * a.T + t] = t >= store_begin && t < end;
+      }
+      std::memcpy(&all_pos[b * a.T + a.S], a.k_pos + b * a.Td, a.Td * 4);
+      std::memcpy(&all_ok[b * a.T + a.S], a.k_ok + b * a.Td, a.Td * 4);
+    }
+    a.k_pos = all_pos.data(), a.k_ok = all_ok.data();
+  }
   a.m = m_out->typed_data(), a.l = l_out->typed_data(), a.acc = acc_out->typed_data();
   if (a.m != m_in.typed_data()) std::memcpy(a.m, m_in.typed_data(), m_in.size_bytes());
   if (a.l != l_in.typed_data()) std::memcpy(a.l, l_in.typed_data(), l_in.size_bytes());
   if (a.acc != acc_in.typed_data()) std::memcpy(a.acc, acc_in.typed_data(), acc_in.size_bytes());
-  a.kp.assign(a.B * a.H * a.packed(), 0);
-  a.vt.assign(a.B * a.H * a.packed(), 0);
+  // packed keys and values: this thread's buffers, kept between calls (a fresh one costs its page faults), every
+  // word of a packed (b, h) written by `pack`
+  thread_local line_vector<uint16_t> kp, vt;
+  if (kp.size() < (size_t)(a.B * a.H * a.packed())) kp.resize(a.B * a.H * a.packed()), vt.resize(kp.size());
+  a.kp = kp.data(), a.vt = vt.data();
   a.ok_bits.assign(a.B * a.steps, 0);
   a.lo.assign(a.B * a.steps, 0);
   a.hi.assign(a.B * a.steps, 0);
@@ -518,6 +652,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v, as k
                                   .Arg<ffi::Buffer<ffi::S32>>()  // k_pos [B, T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // k_ok [B, T]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // store key codes [L, B, H, Tc, D k_bits / 8]
+                                  .Arg<ffi::AnyBuffer>()         // key scales [L, B, H, Tc / k_group, D]
+                                  .Arg<ffi::AnyBuffer>()         // key mins
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // value codes [L, B, H, Tc, D v_bits / 8]
+                                  .Arg<ffi::AnyBuffer>()         // value scales [L, B, H, Tc, D / v_group]
+                                  .Arg<ffi::AnyBuffer>()         // value mins
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // store_end [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // m [B, Tq, Hq]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // l [B, Tq, Hq]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // acc [B, Tq, Hq, D]
@@ -528,4 +670,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
                                   .Attr<int64_t>("causal")
                                   .Attr<int64_t>("amx")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_tokens_first"));
+                                  .Attr<int64_t>("kv_tokens_first")
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("v_bits")
+                                  .Attr<int64_t>("k_group")
+                                  .Attr<int64_t>("v_group")
+                                  .Attr<int64_t>("store_begin"));
