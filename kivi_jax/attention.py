@@ -11,7 +11,8 @@ a time: memory is bounded by the chunk and block sizes, and no dequantized cache
 Dispatch: a decode step (`T = 1`) may take a kernel (`decode_kivi`, `decode_full`: Pallas on GPU, and for the KIVI
 cache on TPU, C++ on the CPU); a chunk of more than one token takes the XLA path, except that on the CPU its dense
 segments of bfloat16 rows (its own tokens, stored blocks dequantized, the ring, sinks) may go to the native chunk
-kernel (`segment`, `chunk_native`; docs/kernels.md "Chunk attention").
+kernel (`segment`, `chunk_native`; docs/kernels.md "Chunk attention"), and over a KIVI cache whose stores it reads in
+place, the whole chunk in one call of it (`chunk_in_one_call`, twin: `segments`).
 Shapes: q `[batch, T, q_heads, head_dim]`; cache tensors stacked `[layers, batch, kv_heads, tokens, ...]`, read one
 block of one layer at a time (`layer=None` takes tensors that hold one layer already).
 """
@@ -588,9 +589,8 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
                                 num_new, window, block, sinks, inv_freq, softcap, rows, many, native)
 
             def one_call() -> jax.Array:
-                state = chunk_in_one_call(rows, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
-                                          positions, num_new, window, sinks)
-                return rows_out(state, rows, q)
+                return chunk_in_one_call(rows, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new,
+                                         positions, num_new, window, sinks).astype(q.dtype)
 
             return jax.lax.platform_dependent(cpu=one_call, default=walk)  # a GPU or TPU lowering: the segments
     return segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
@@ -598,11 +598,12 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
 
 
 def chunk_in_one_call(rows: Rows, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, positions, num_new,
-                      window, sinks) -> Softmax:
-    """A chunk's attention over a KIVI cache in one call of the native kernel (`attend.segment(..., store=...)`):
-    the stores read in place (their tokens with both key and value quantized, past the sinks), then the sinks, the
-    ring and the new tokens as dense keys, all under one causal rule (every stored token precedes every new one).
-    The same keys, positions and masks as `segments`' walk, which is its twin."""
+                      window, sinks) -> jax.Array:
+    """A chunk's attention `[batch, T, q_heads, head_dim]` float32 over a KIVI cache in one call of the native kernel
+    (`attend.segment(..., store=...)`, token-major rows): the stores read in place (their tokens with both key and
+    value quantized, past the sinks), then the sinks, the ring and the new tokens as dense keys, all under one causal
+    rule (every stored token precedes every new one); the kernel starts the softmax and normalizes it itself. The
+    same keys, positions and masks as `segments`' walk, which is its twin."""
     from kivi_jax.native import attend
 
     residual = k_ring.shape[2]
@@ -625,12 +626,11 @@ def chunk_in_one_call(rows: Rows, k_store, v_store, layer, k_ring, v_ring, lengt
     values.append(v_new.astype(jnp.float32))
     pos.append(positions)
     ok.append(jnp.arange(k_new.shape[1])[None, :] < num_new[:, None])
-    state = Softmax.empty(rows.q)
     cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-    return Softmax(*attend.segment(state.m, state.l, state.acc, rows.q, rows.pos, cat(keys), cat(values),
-                                   cat([p.astype(jnp.int32) for p in pos]), cat(ok), window, causal=True,
-                                   scale=rows.q.shape[-1] ** -0.5, kv_tokens_first=True,
-                                   store=(k_store, v_store, layer, num_sinks, main_end)))
+    return attend.segment(None, None, None, rows.q, rows.pos, cat(keys), cat(values),
+                          cat([p.astype(jnp.int32) for p in pos]), cat(ok), window, causal=True,
+                          scale=rows.q.shape[-1] ** -0.5, kv_tokens_first=True,
+                          store=(k_store, v_store, layer, num_sinks, main_end), finish=True)[2]
 
 
 def segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window, block,
@@ -698,7 +698,7 @@ def decode_kivi_xla(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) the XLA path, its bfloat16 segments on an AMX
-# CPU the native chunk kernel (`segment`, `chunk_native` above).
+# CPU the native chunk kernel (`segment`, `chunk_native` above; over a readable KIVI store, one call a layer).
 
 
 def use_pallas(impl: str, tpu_kernel: bool = False) -> bool:

@@ -97,6 +97,33 @@ def test_the_kernel_equals_its_twin(case, amx):
     assert not np.allclose(got_out[~blind], np.asarray(state.result())[~blind], atol=1e-3)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "scalar"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["causal", "window"])
+def test_a_fresh_finished_call_equals_the_twins_result(case, amx):
+    """No state in (`m = l = acc = None`: every row starts from nothing seen) and the attention out (`finish`):
+    the twin's `Softmax.empty`, segment and `result`, rows that see nothing 0."""
+    batch, heads, tokens_q, tokens, head_dim, n_rep, window, causal, kv_first = case
+    rng = np.random.default_rng(tokens_q + tokens)
+    _, q, q_pos, k, v, k_pos, k_ok = random_segment(rng, batch, heads, tokens_q, tokens, head_dim, n_rep, causal,
+                                                    kv_first)
+
+    def twin(q, q_pos, k, v):
+        rows = attention.Rows(q, q_pos, jnp.bfloat16, token_major=True)
+        return attention.segment(attention.Softmax.empty(q), rows, k, v, k_pos, k_ok, window, causal=causal,
+                                 keys_token_major=kv_first).result()
+
+    def kernel(q, q_pos, k, v):
+        return attend.segment(None, None, None, q, q_pos, k, v, k_pos, k_ok, window, causal, amx,
+                              scale=head_dim**-0.5, kv_tokens_first=kv_first, finish=True)[2]
+
+    want, got = np.asarray(jax.jit(twin)(q, q_pos, k, v)), np.asarray(jax.jit(kernel)(q, q_pos, k, v))
+    np.testing.assert_allclose(got, want, atol=2e-2)
+    assert np.mean(np.abs(got - want)) < 2e-3
+    blind = (want == 0).all(-1)
+    assert blind.any() and not blind.all()  # the first query token sees nothing (causal cases)
+    np.testing.assert_array_equal(got[blind], 0.0)
+
+
 def random_store(rng, lead, max_tokens, head_dim, bits, group, axis, scale_dtype):
     """A KIVI store of random codes, scales in [0.15, 0.9] / (2^bits - 1) and mins about 0 (values of order one;
     every token, written or not, finite)."""

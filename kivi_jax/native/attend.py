@@ -65,27 +65,33 @@ def _store_operands(store, batch: int) -> tuple[list, dict]:
 
 
 def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: bool, amx: bool = True,
-            scale: float = 1.0, kv_tokens_first: bool = False, store=None):
+            scale: float = 1.0, kv_tokens_first: bool = False, store=None, finish: bool = False):
     """Adds keys and values `k, v [B, H, T, D]` (`[B, T, H, D]` with `kv_tokens_first`) at `k_pos [B or 1, T]`
     (those with `k_ok [B or 1, T]`) to the online softmax `(m, l [B, Tq, Hq], acc [B, Tq, Hq, D])` of the queries
     `q [B, Tq, Hq, D]` (float32 or bfloat16, times `scale` before their rounding to bfloat16) at `q_pos [B, Tq]`;
-    query head `h * n_rep + r` reads kv head `h`. A key counts when ok, at or before the query (`causal`) and inside
-    its `window` (None: none). `store = (k_store, v_store, layer, begin, end)`: a KIVI cache's stores
-    (`unsupported_store` says which; stacked `[layers, ...]` and read in place at `layer`, or one layer with None)
-    whose tokens `[begin, end[b])`, at their index as position, come first, each dequantized as
-    `attention.dequantized` does. Returns the new `(m, l, acc)`. `amx=False`: the kernel's scalar path (tests)."""
+    query head `h * n_rep + r` reads kv head `h`. `m = l = acc = None`: the rows start from nothing seen, and no state
+    is read. A key counts when ok, at or before the query (`causal`) and inside its `window` (None: none).
+    `store = (k_store, v_store, layer, begin, end)`: a KIVI cache's stores (`unsupported_store` says which; stacked
+    `[layers, ...]` and read in place at `layer`, or one layer with None) whose tokens `[begin, end[b])`, at their
+    index as position, come first, each dequantized as `attention.dequantized` does. Returns the new `(m, l, acc)`,
+    with `finish` the normalized attention `acc / l` (`attention.Softmax.result`) as acc. `amx=False`: the kernel's
+    scalar path (tests)."""
     if build.load() is None:
         raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
     batch = q.shape[0]
+    fresh = m is None
     store_ops, store_attrs = _store_operands(store, batch)
-    call = jax.ffi.ffi_call("kivi_jax_chunk_attend", (jax.ShapeDtypeStruct(m.shape, jnp.float32),
-                                                      jax.ShapeDtypeStruct(l.shape, jnp.float32),
-                                                      jax.ShapeDtypeStruct(acc.shape, jnp.float32)),
-                            input_output_aliases={14: 0, 15: 1, 16: 2})
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     i32 = lambda a: jnp.broadcast_to(a, (batch, a.shape[-1])).astype(jnp.int32)  # noqa: E731
+    if fresh:  # nothing to read: empty operands, fresh results
+        m = l = acc = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call("kivi_jax_chunk_attend", (jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32),
+                                                      jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32),
+                                                      jax.ShapeDtypeStruct(q.shape, jnp.float32)),
+                            input_output_aliases={} if fresh else {14: 0, 15: 1, 16: 2})
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         q = f32(q)
     return call(q, q_pos.astype(jnp.int32), f32(k), f32(v), i32(k_pos), i32(k_ok), *store_ops, f32(m), f32(l),
                 f32(acc), window=np.int64(window or 0), causal=np.int64(causal), amx=np.int64(amx),
-                scale=np.float32(scale), kv_tokens_first=np.int64(kv_tokens_first), **store_attrs)
+                scale=np.float32(scale), kv_tokens_first=np.int64(kv_tokens_first), fresh=np.int64(fresh),
+                finish=np.int64(finish), **store_attrs)

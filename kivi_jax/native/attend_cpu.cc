@@ -2,10 +2,12 @@
 // contract is kivi_jax.attention.segment's XLA path with bfloat16 dots: the chunk's queries q [B, Tq, Hq, D] (float32
 // or bfloat16, times `scale` before their rounding) at q_pos [B, Tq] add keys and values k, v [B, H, T, D] (or
 // [B, T, H, D]: `kv_tokens_first`) at positions k_pos [B, T], those with k_ok [B, T] set, to their online softmax
-// (m, l [B, Tq, Hq], acc [B, Tq, Hq, D], updated in place); query head h n_rep + r reads kv head h. A key counts for
-// a query when it is ok, at or before the query's position (`causal`) and less than `window` positions before it (0:
-// no window). q, k, p and v are rounded to bfloat16 and their products summed in float32, as XLA's bfloat16 dots do;
-// scores, the softmax and its sums stay float32.
+// (m, l [B, Tq, Hq], acc [B, Tq, Hq, D], updated in place; `fresh`: started from nothing seen, not read; `finish`:
+// acc written as acc / l); query head h n_rep + r reads kv head h. A key counts for a query when it is ok, at or
+// before the query's position (`causal`) and less than `window` positions before it (0: no window). A KIVI cache's
+// stores may come first on the key axis (`Store`: their quantized tokens, read in place and dequantized as packed),
+// so that a chunk's attention over the cache is one call. q, k, p and v are rounded to bfloat16 and their products
+// summed in float32, as XLA's bfloat16 dots do; scores, the softmax and its sums stay float32.
 //
 // Work items are (sequence, kv head, 32 rows), a row being one query head of one token (row r of kv head h: token
 // r / n_rep, head h n_rep + r % n_rep), shared out on XLA's intra-op pool; an item walks the keys 64 at a time,
@@ -92,6 +94,8 @@ struct Segment {
   int64_t Tq, Hq, n_rep;  // query tokens and heads: row r of kv head h is token r / n_rep's head h n_rep + r % n_rep
   float scale;  // the queries' scale (1/sqrt(head_dim)), applied before their rounding to bfloat16
   bool causal, amx, q_bf16, kv_tokens_first;
+  bool fresh = false;   // every row starts from nothing seen (m = -inf, l = 0, acc = 0): the state is not read
+  bool finish = false;  // acc comes out normalized, acc / l (0 where a row saw nothing)
   const void* q;
   const float *k, *v;
   const int32_t *q_pos, *k_pos, *k_ok;  // of the key axis (store tokens first, then the dense ones)
@@ -432,8 +436,8 @@ void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int
       for (int64_t c = 0; c < D / 16; ++c) {
         __m512i r[16];  // r[n]: row 16 g + n's channels 16 c..; transposed, r[dd]: channel 16 c + dd of the rows
         for (int64_t n = 0; n < 16; ++n)
-          r[n] = 16 * g + n < nr ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
-                                 : _mm512_setzero_si512();
+          r[n] = 16 * g + n < nr && !a.fresh ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
+                                             : _mm512_setzero_si512();
         transpose16(r);
         for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
       }
@@ -448,17 +452,23 @@ void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int
         const uint16_t x = i < nr ? bf16_bits(qf[d - d0]) : 0;
         it.qb[i * D + d] = x;
         it.qt[((i / 16) * (D / 32) + d / 32) * TILE + (d % 32 / 2) * 32 + (i % 16) * 2 + d % 2] = x;
-        it.acct[d * ROWS + i] = i < nr ? a.acc[a.row(b, h, r0 + i) * D + d] : 0.f;
+        it.acct[d * ROWS + i] = i < nr && !a.fresh ? a.acc[a.row(b, h, r0 + i) * D + d] : 0.f;
       }
     }
 }
 
-// The item's rows back: accumulators, references and sums.
-void store_rows(const Segment& a, const Item& it, int64_t b, int64_t h, int64_t r0, int64_t nr) {
+// The item's rows back: accumulators (normalized with `finish`), references and sums.
+void store_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a.D;
   for (int64_t i = 0; i < nr; ++i) {
     a.m[a.row(b, h, r0 + i)] = it.m[i];
     a.l[a.row(b, h, r0 + i)] = it.l[i];
+  }
+  if (a.finish) {  // acc / l, as attention.Softmax.result (a row that saw nothing: l = 0, acc = 0, out 0)
+    alignas(64) float inv[ROWS];
+    for (int64_t i = 0; i < ROWS; ++i) inv[i] = it.l[i] > 0.f ? 1.f / it.l[i] : 1.f;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < ROWS; ++i) it.acct[d * ROWS + i] *= inv[i];
   }
 #if defined(__AVX512F__)
   for (int64_t g = 0; g < 2; ++g)
@@ -483,8 +493,8 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
   int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
   for (int64_t i = 0; i < ROWS; ++i) {
     const int64_t row = i < nr ? a.row(b, h, r0 + i) : 0;
-    it.m[i] = i < nr ? a.m[row] : NEG_INF;
-    it.l[i] = i < nr ? a.l[row] : 0.f;
+    it.m[i] = i < nr && !a.fresh ? a.m[row] : NEG_INF;
+    it.l[i] = i < nr && !a.fresh ? a.l[row] : 0.f;
     it.qpos[i] = i < nr ? a.q_pos[b * a.Tq + (r0 + i) / a.n_rep] : 0;
     if (i >= nr) continue;
     qlo = std::min(qlo, it.qpos[i]);
@@ -534,7 +544,7 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
                            ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> l_out,
                            ffi::ResultBuffer<ffi::F32> acc_out, int64_t window, int64_t causal, int64_t amx,
                            float scale, int64_t kv_tokens_first, int64_t k_bits, int64_t v_bits, int64_t k_group,
-                           int64_t v_group, int64_t store_begin) {
+                           int64_t v_group, int64_t store_begin, int64_t fresh, int64_t finish) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("chunk_attend: q, k must be 4-d");
   if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16)
@@ -586,9 +596,12 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
     for (int64_t b = 0; b < a.B; ++b) a.S = std::max<int64_t>(a.S, std::min<int64_t>(store_end.typed_data()[b], st.Tc));
   }
   a.T = a.S + a.Td;
-  if (m_in.element_count() != (size_t)(a.B * a.Tq * a.Hq) || l_in.element_count() != m_in.element_count() ||
-      acc_in.element_count() != q.element_count())
-    return ffi::Error::InvalidArgument("chunk_attend: m, l [B, Tq, Hq] and acc [B, Tq, Hq, D]");
+  a.fresh = fresh != 0, a.finish = finish != 0;
+  if (m_out->element_count() != (size_t)(a.B * a.Tq * a.Hq) || l_out->element_count() != m_out->element_count() ||
+      acc_out->element_count() != q.element_count() ||
+      (!a.fresh && (m_in.element_count() != m_out->element_count() || l_in.element_count() != m_out->element_count() ||
+                    acc_in.element_count() != q.element_count())))
+    return ffi::Error::InvalidArgument("chunk_attend: m, l [B, Tq, Hq] and acc [B, Tq, Hq, D] (in unless fresh)");
   a.scale = scale;
   a.q_bf16 = q.element_type() == ffi::DataType::BF16;
   a.steps = (a.T + KEYS - 1) / KEYS;
@@ -617,9 +630,9 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
     a.k_pos = all_pos.data(), a.k_ok = all_ok.data();
   }
   a.m = m_out->typed_data(), a.l = l_out->typed_data(), a.acc = acc_out->typed_data();
-  if (a.m != m_in.typed_data()) std::memcpy(a.m, m_in.typed_data(), m_in.size_bytes());
-  if (a.l != l_in.typed_data()) std::memcpy(a.l, l_in.typed_data(), l_in.size_bytes());
-  if (a.acc != acc_in.typed_data()) std::memcpy(a.acc, acc_in.typed_data(), acc_in.size_bytes());
+  if (!a.fresh && a.m != m_in.typed_data()) std::memcpy(a.m, m_in.typed_data(), m_in.size_bytes());
+  if (!a.fresh && a.l != l_in.typed_data()) std::memcpy(a.l, l_in.typed_data(), l_in.size_bytes());
+  if (!a.fresh && a.acc != acc_in.typed_data()) std::memcpy(a.acc, acc_in.typed_data(), acc_in.size_bytes());
   // packed keys and values: this thread's buffers, kept between calls (a fresh one costs its page faults), every
   // word of a packed (b, h) written by `pack`
   thread_local line_vector<uint16_t> kp, vt;
@@ -660,12 +673,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
                                   .Arg<ffi::AnyBuffer>()         // value mins
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // store_end [B]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [B, Tq, Hq]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [B, Tq, Hq] (empty when fresh)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // l [B, Tq, Hq]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // acc [B, Tq, Hq, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // m (aliases the input)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m (aliases the input unless fresh)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // acc
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // acc (normalized with finish)
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("causal")
                                   .Attr<int64_t>("amx")
@@ -675,4 +688,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
                                   .Attr<int64_t>("v_bits")
                                   .Attr<int64_t>("k_group")
                                   .Attr<int64_t>("v_group")
-                                  .Attr<int64_t>("store_begin"));
+                                  .Attr<int64_t>("store_begin")
+                                  .Attr<int64_t>("fresh")
+                                  .Attr<int64_t>("finish"));
