@@ -230,7 +230,7 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
         rest = [i for i, w in enumerate(ws) if w.bits != 16]
         ys = [None] * len(ws)
         if half:
-            outs = matmul.bmatmul(flat.astype(jnp.bfloat16).astype(jnp.float32), *(ws[i] for i in half))
+            outs = matmul.bmatmul(flat.astype(jnp.float32), *(ws[i] for i in half))  # rounded to bf16 in it
             for i, y in zip(half, outs):
                 ys[i] = y
         if rest:

@@ -18,8 +18,21 @@ namespace {
 // read where it lies), the activations packed once a call as the B operand (input pairs by 16 activation rows), four
 // 16 x 16 float32 accumulators (32 outputs by 32 activation rows), each run after `amx_allowed()` (amx.h).
 
-// Activation rows [n0, n0 + 16) of x [N, C] float32 (bfloat16 values) as their B tiles in xp [n16 / 16][C / 2][16]
-// uint32 (a pair of inputs' bfloat16 bits by 16 activation rows; each tile's 16 pair rows contiguous), zero past N.
+// 16 floats -> their bfloat16 bits (rounded to nearest even, as XLA converts), in order.
+inline __m256i bf16_round16(const float* src) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src));
+#else
+  const __m512i u = _mm512_loadu_si512(src);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                                                 16));
+#endif
+}
+
+// Activation rows [n0, n0 + 16) of x [N, C] float32, rounded to bfloat16, as their B tiles in xp [n16 / 16][C / 2]
+// [16] uint32 (a pair of inputs' bfloat16 bits by 16 activation rows; each tile's 16 pair rows contiguous), zero past
+// N.
 inline void pack_rows(const float* x, int64_t N, int64_t C, int64_t n0, uint32_t* xp) {
   uint32_t* dst = xp + n0 / 16 * (C / 2) * 16;
   for (int64_t p0 = 0; p0 < C / 2; p0 += 16) {
@@ -29,9 +42,8 @@ inline void pack_rows(const float* x, int64_t N, int64_t C, int64_t n0, uint32_t
         r[i] = _mm512_setzero_si512();
         continue;
       }
-      const float* src = x + (n0 + i) * C + 2 * p0;  // 32 inputs: their top halves, in order
-      const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(src), 16));
-      const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(src + 16), 16));
+      const float* src = x + (n0 + i) * C + 2 * p0;  // 32 inputs, in order
+      const __m256i lo = bf16_round16(src), hi = bf16_round16(src + 16);
       r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
     transpose16(r);  // r[j]: pair p0 + j of the 16 rows
@@ -153,10 +165,11 @@ ffi::Error FMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }
 
 // y_i = (x M_i^T) * scale_i for every bfloat16 matrix i of the call (`kivi_jax.weights` format bf16: its bits
-// [L, R, C] uint16, a float32 scale [L, R, 1] a row), their blocks of DOT_ITEM rows one pool of work items. x comes
-// rounded to bfloat16 (as XLA's bfloat16 dot rounds it). With AMX (and C a multiple of 32) whole 16s of a block's
-// rows run in tiles (`amx_block`); the rest in the float kernel's dot tiles, the weights widened to float32 as they
-// are loaded (half a float32 matrix's bytes from memory either way).
+// [L, R, C] uint16, a float32 scale [L, R, 1] a row), their blocks of DOT_ITEM rows one pool of work items. x is
+// float32, rounded to bfloat16 here (to nearest even, as XLA's bfloat16 dot rounds it). With AMX (and C a multiple of
+// 32) whole 16s of a block's rows run in tiles (`amx_block`); the rest in the float kernel's dot tiles on x rounded
+// (`rounded_rows`), the weights widened to float32 as they are loaded (half a float32 matrix's bytes from memory
+// either way).
 ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto xd = x.dimensions();
@@ -193,6 +206,7 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     first[i + 1] = first[i] + (a.R + DOT_ITEM - 1) / DOT_ITEM;
   }
   const float* xp = x.typed_data();
+  bool tiles_all = false;  // every output row of every matrix in AMX tiles (else the dot tiles read x rounded)
   int64_t parts = 1;  // AMX items: a block of DOT_ITEM outputs by PART_ROWS activation rows (a prefill's many rows)
 #if KIVI_AMX
   // x's bfloat16 bits (its values are bfloat16's: the top half of each float) as B tiles (`pack_rows`), 16 rows an
@@ -211,8 +225,20 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       for (int64_t b = 0; b < n16 / 16; ++b) pack(b);
     }
     parts = (n16 + PART_ROWS - 1) / PART_ROWS;
+    tiles_all = std::all_of(mats.begin(), mats.end(), [](const BArgs& a) { return a.R % 16 == 0; });
   }
 #endif
+  thread_local line_vector<float> rounded_rows;  // x rounded to bfloat16, for the dot tiles
+  if (!tiles_all) {
+    if (rounded_rows.size() < (size_t)(N * C)) rounded_rows.resize(N * C);
+    for (int64_t e = 0; e < N * C; ++e) {
+      uint32_t u;
+      std::memcpy(&u, xp + e, 4);
+      if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;  // NaN stays NaN
+      std::memcpy(&rounded_rows[e], &u, 4);
+    }
+  }
+  const float* xr = tiles_all ? xp : rounded_rows.data();
   parallel_for(pool, first[M] * parts, [&](int64_t item) {
     const int64_t it = item / parts, part = item % parts;
     size_t i = 0;
@@ -230,7 +256,7 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     }
 #endif
     const int64_t next_rows = std::max<int64_t>(0, std::min(a.R, r1 + DOT_ITEM) - r1);
-    dot_block(xp, N, C, a.w + r0 * C, C, a.y, a.R, r0, r1, a.w + r1 * C, next_rows * C * 2);
+    dot_block(xr, N, C, a.w + r0 * C, C, a.y, a.R, r0, r1, a.w + r1 * C, next_rows * C * 2);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t r = r0; r < r1; ++r) a.y[n * a.R + r] *= a.scale[r];
   });

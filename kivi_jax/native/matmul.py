@@ -75,9 +75,10 @@ def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
 
 
 def bmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
-    """`x [n, cols]` float32 times `M^T` of each `bf16` matrix in `ws` (its bits `[(layers,) rows, cols]` uint16 and
-    float32 row scales; matrices sharing their input, each one matrix or a stack read at its `layer`) -> one
-    `[n, rows]` float32 array each, in one call (`fmatmul_cpu.cc`; twin: `kivi_jax.weights.bf16_dot`)."""
+    """`x [n, cols]` float32, rounded to bfloat16 by the kernel (to nearest even, as XLA converts), times `M^T` of
+    each `bf16` matrix in `ws` (its bits `[(layers,) rows, cols]` uint16 and float32 row scales; matrices sharing
+    their input, each one matrix or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call
+    (`fmatmul_cpu.cc`; twin: `kivi_jax.weights.bf16_dot`)."""
     layer = call_layer(ws)
     operands = []
     for w in ws:
