@@ -22,7 +22,7 @@ from kivi_jax.cache import full_cache_bytes, kivi_cache_bytes
 from kivi_jax.config import parse_cache_spec
 from kivi_jax.sampling import Sampling, sample_tokens
 from kivi_jax.serve import engine as engine_mod
-from kivi_jax.sampling import first_max, sample_rows
+from kivi_jax.sampling import first_max, first_max_xla, sample_rows
 from kivi_jax.runtime import held_back
 
 openai = pytest.importorskip("openai")
@@ -125,9 +125,11 @@ def test_per_row_sampler_is_argmax_for_greedy_rows_and_generates_draw_for_sample
     assert np.array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), axis=-1))
 
 
-def test_first_max_is_argmax_for_ties_infinities_and_nans():
-    """The greedy choice's two-reduce argmax gives jnp.argmax's index for every row: ties (the first), -inf rows,
-    +inf, NaNs (the first NaN), a maximum at either end, random rows of a real vocabulary's width."""
+@pytest.mark.parametrize("first_max", [first_max, first_max_xla], ids=["as-dispatched", "xla"])
+def test_first_max_is_argmax_for_ties_infinities_and_nans(first_max):
+    """The greedy choice's argmax (the native kernel on the CPU, and XLA's two reduces) gives jnp.argmax's index for
+    every row: ties (the first), -inf rows, +inf, NaNs (the first NaN), a maximum at either end, random rows of a real
+    vocabulary's width."""
     rng = np.random.RandomState(1)
     x = rng.randn(9, 49152).astype(np.float32)
     x[0, [5, 7]] = 100.0  # a tie: the first

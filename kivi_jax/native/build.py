@@ -1,5 +1,5 @@
 """Build, cache, load and register the C++ CPU kernels (XLA FFI handlers in `decode_cpu.cc`, `matmul_cpu.cc`,
-`fmatmul_cpu.cc` and `attend_cpu.cc`).
+`fmatmul_cpu.cc`, `attend_cpu.cc` and `argmax_cpu.cc`).
 
 On first use the sources are compiled with the system C++ compiler (`$CXX`, else `g++`, else `c++`) against the FFI
 headers jaxlib ships (`jax.ffi.include_dir()`): `-O3 -march=native -shared -fPIC -std=c++17`, or without
@@ -29,12 +29,12 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "decode_cpu.cc", HERE / "matmul_cpu.cc", HERE / "fmatmul_cpu.cc",
-           HERE / "attend_cpu.cc")  # compiled into one library
+           HERE / "attend_cpu.cc", HERE / "argmax_cpu.cc")  # compiled into one library
 HEADERS = (HERE / "simd.h", HERE / "gemm.h", HERE / "amx.h")
 TARGETS = {"kivi_jax_kivi_decode": "KiviJaxKiviDecode", "kivi_jax_full_decode": "KiviJaxFullDecode",
            "kivi_jax_eight_decode": "KiviJaxEightDecode", "kivi_jax_qmatmul": "KiviJaxQMatmul",
            "kivi_jax_fmatmul": "KiviJaxFMatmul", "kivi_jax_bmatmul": "KiviJaxBMatmul",
-           "kivi_jax_chunk_attend": "KiviJaxChunkAttend"}
+           "kivi_jax_chunk_attend": "KiviJaxChunkAttend", "kivi_jax_first_max": "KiviJaxFirstMax"}
 CXX_ENV = "CXX"
 DISABLE_ENV = "KIVI_JAX_NATIVE"  # "0": never build or use the native kernels
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-w")
