@@ -245,6 +245,29 @@ def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):
     assert [f._cache_size() for f in jitted] == sizes
 
 
+def test_warm_up_covers_every_decode_groups_size(model):
+    """Slots in decode groups of unequal sizes (2, 2 and 1, as a server's 72 slots in groups of 32 end with 8): after
+    `warm_up`, requests filling every slot, the last group's too, compile no new prefill, insert, first draw or
+    decode step (each group's cache and keys are committed to the device from the start, as an insert's and a
+    step's outputs are, and each group size gets its insert warmed up)."""
+    from kivi_jax.serve import engine as engine_mod
+
+    params = jax.device_put(model.params, jax.devices()[0])  # committed, as the default model's load gives them
+    eng = Engine(params, SPEC, slots=5, max_length=MAX_LENGTH, prefill_chunk=64, decode_group=2)
+    assert [n for _, n in eng.groups] == [2, 2, 1]
+    eng.warm_up()
+    jitted = (runtime.prefill_chunk, runtime.decode_step, runtime.sample_first, engine_mod.insert_cache)
+    sizes = [f._cache_size() for f in jitted]
+    for p in prompts(12, [20, 33, 40, 52, 60]):  # one at a time: slots 0 to 4, the last group's included
+        job = eng.start_prefill([Waiting(p, [Sampling(0.0)])])
+        while eng.advance(job) is None:
+            pass
+    assert eng.count("live") == 5
+    for _ in range(3):
+        assert len(eng.step()) == 5
+    assert [f._cache_size() for f in jitted] == sizes
+
+
 def test_a_prompts_later_chunks_reuse_its_first_chunks_program(model):
     """A prompt's second chunk runs the program its first chunk compiled: the first call's inputs are committed to
     the device as every chunk's outputs are (jit keys on that), so warming up one chunk of a width covers a long

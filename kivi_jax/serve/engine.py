@@ -405,6 +405,9 @@ class Engine:
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh, pages=pages)
                        for _, n in self.groups]
+        if mesh is None:  # committed to the device, as every insert's and step's outputs are: a jitted step keys on
+            # that, so a group warmed up uncommitted would compile its step again on its first request
+            self.caches = jax.device_put(self.caches, jax.devices()[0])
         # Paged (docs/design.md §12): every slot a block table into one pool; pages are taken when a request's slots
         # are reserved and given back when they are freed. Growing (`grow`): a one-choice request takes the pages of
         # its prompt and one token more, then a page each time it fills one (`grow_pages`, before every decode step);
@@ -429,6 +432,8 @@ class Engine:
             self.slot_pages: dict[int, list[int]] = {}
             prefix_reuse = False  # a held slot would hold its pages: sharing prefix pages is what replaces it
         self.keys = [self._put(np.zeros((n, 2), np.uint32)) for _, n in self.groups]
+        if mesh is None:  # committed, as a step's new keys are (above)
+            self.keys = jax.device_put(self.keys, jax.devices()[0])
         self.mask_words = bitmask_width(cfg.vocab_size)
         self.no_mask = [self._put(np.zeros((n, self.mask_words), np.int32)) for _, n in self.groups]  # unconstrained
         self.slot_bytes = slot_bytes(self.spec, cfg, max_length, self.dtype)
@@ -1070,32 +1075,49 @@ class Engine:
         """Compiles what serving runs before the first request comes (each program compiles in 1-3 s on a 2-core
         CPU, which a request would otherwise wait): a batched prefill of every shape the scheduler forms (rows, a
         power of two up to what the token budget takes, times each chunk width), each request's insert and first
-        draw, and every decode bucket of every group (rows that are all padding: nothing changes). The engine is
-        left as it was: slots free, pages back, counters and snapshots untouched. Returns the programs run and the
-        seconds taken."""
+        draw (into each size of decode group), and every decode bucket of every group (rows that are all padding:
+        nothing changes). The engine is left as it was: slots free, pages back, counters and snapshots untouched.
+        Returns the programs run and the seconds taken."""
         t0 = time.monotonic()
         counters, peak, keep = dict(self.counters), self.peak_live, self.prefix_snapshots
         self.prefix_snapshots = 0  # warm-up prompts keep no snapshot
         runs = 0
         try:
             widths = sorted({chunk_size(t, self.prefill_chunk) for t in range(1, self.prefill_chunk + 1, PROMPT_BUCKET)})
-            for width in widths:
-                room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
-                for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)}):  # start_prefill's rows
-                    n = min(rows, room, self.open_slots())
-                    if n < 1 or (self.paged and n * self.admission_pages(width, 1) + self.headroom > self.free_pages()):
-                        break
-                    prompts = [Waiting([self.cfg.pad_id] * width, [Sampling(0.0)], max_tokens=1) for _ in range(n)]
-                    if self.prefill_batch > 1:
-                        job = self.start_prefill(prompts)
-                        while (admitted := self.advance(job)) is None:
-                            pass
-                    else:
-                        admitted = [self.admit_choices(w.prompt, w.samplings, max_tokens=1) for w in prompts]
-                    for a in admitted:
-                        for slot in a.slots:
-                            self.free(slot)
-                    runs += 1
+            # every prefill shape into the first group, and the smallest width into the first group of each other
+            # size: an insert and a first draw compile for the group's shape (the others' slots held back meanwhile)
+            sizes = {}
+            for start, n in self.groups:
+                sizes.setdefault(n, start)
+            plans = [(width, self.groups[0]) for width in widths]
+            plans += [(widths[0], (start, n)) for n, start in sizes.items() if start != self.groups[0][0]]
+            for width, (start, n_group) in plans:
+                held_back = [i for i in range(self.num_slots) if not start <= i < start + n_group
+                             and self.slots[i].state == FREE]
+                for i in held_back:
+                    self.slots[i].state = FILLING
+                try:
+                    room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
+                    for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)}):  # start_prefill's
+                        n = min(rows, room, self.open_slots())
+                        if n < 1 or (self.paged and n * self.admission_pages(width, 1) + self.headroom
+                                     > self.free_pages()):
+                            break
+                        prompts = [Waiting([self.cfg.pad_id] * width, [Sampling(0.0)], max_tokens=1)
+                                   for _ in range(n)]
+                        if self.prefill_batch > 1:
+                            job = self.start_prefill(prompts)
+                            while (admitted := self.advance(job)) is None:
+                                pass
+                        else:
+                            admitted = [self.admit_choices(w.prompt, w.samplings, max_tokens=1) for w in prompts]
+                        for a in admitted:
+                            for slot in a.slots:
+                                self.free(slot)
+                        runs += 1
+                finally:
+                    for i in held_back:
+                        self.slots[i].state = FREE
             for g, (_, n) in enumerate(self.groups):
                 buckets = sorted({min(1 << k, n) for k in range(n.bit_length() + 1)}) if self.buckets else [n]
                 for width in buckets:
