@@ -209,9 +209,9 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   bool tiles_all = false;  // every output row of every matrix in AMX tiles (else the dot tiles read x rounded)
   int64_t parts = 1;  // AMX items: a block of DOT_ITEM outputs by PART_ROWS activation rows (a prefill's many rows)
 #if KIVI_AMX
-  // x's bfloat16 bits (its values are bfloat16's: the top half of each float) as B tiles (`pack_rows`), 16 rows an
-  // item, into this thread's buffer: kept between calls (a fresh one costs its page faults, 15% of a 512-row call),
-  // on a cache line (tile rows that straddle two load slower), never zeroed (pack_rows writes every word)
+  // x rounded to bfloat16 as B tiles (`pack_rows`), 16 rows an item, into this thread's buffer: kept between calls
+  // (a fresh one costs its page faults, 15% of a 512-row call), on a cache line (tile rows that straddle two load
+  // slower), never zeroed (pack_rows writes every word)
   const bool amx = C % 32 == 0 && amx_allowed();
   const int64_t n16 = (N + 15) / 16 * 16;
   thread_local line_vector<uint32_t> packed_rows;
