@@ -1115,6 +1115,8 @@ class Engine:
                             for slot in a.slots:
                                 self.free(slot)
                         runs += 1
+                        if n < rows:  # the group (or the open slots) holds no more: larger rows cannot come here
+                            break
                 finally:
                     for i in held_back:
                         self.slots[i].state = FREE
