@@ -31,14 +31,6 @@ constexpr int64_t TILE = 512;  // bfloat16s a packed tile (16 rows of 32)
 // relatively: no precision is lost), and acc / l, what the softmax is, does not depend on m.
 constexpr float RESCALE = 8.f;
 
-inline uint16_t bf16_bits(float f) {  // round to nearest even, as XLA converts float32 to bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
 // One layer of a KIVI cache's stores (contiguous, uniform codes, keys after RoPE): keys per-channel (codes
 // [L, B, H, Tc, D k_bits / 8], scale and min [L, B, H, Tc / k_group, D]), values per-token (codes [L, B, H, Tc,
 // D v_bits / 8], scale and min [L, B, H, Tc, D / v_group]), planar-packed (quant.py: byte j of a row holds channels
@@ -583,10 +575,8 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
     const auto et = k_scale.element_type();
     if (et != k_mn.element_type() || et != v_scale.element_type() || et != v_mn.element_type())
       return ffi::Error::InvalidArgument("chunk_attend: the store's scales and mins must share one dtype");
-    if (et == ffi::DataType::F16) st.st = F16;
-    else if (et == ffi::DataType::BF16) st.st = BF16;
-    else if (et == ffi::DataType::F32) st.st = F32;
-    else return ffi::Error::InvalidArgument("chunk_attend: store scales must be float16, bfloat16 or float32");
+    if (!scale_type(et, st.st))
+      return ffi::Error::InvalidArgument("chunk_attend: store scales must be float16, bfloat16 or float32");
     st.kc = k_codes.typed_data(), st.vc = v_codes.typed_data();
     st.ks = k_scale.untyped_data(), st.km = k_mn.untyped_data();
     st.vs = v_scale.untyped_data(), st.vm = v_mn.untyped_data();

@@ -1073,18 +1073,9 @@ ffi::Error KiviDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   auto et = ks.element_type();
   if (et != km.element_type() || et != vs.element_type() || et != vm.element_type())
     return ffi::Error::InvalidArgument("kivi_decode: scales and mins must share one dtype");
-  if (et == ffi::DataType::F16) a.st = F16;
-  else if (et == ffi::DataType::BF16) a.st = BF16;
-  else if (et == ffi::DataType::F32) a.st = F32;
-  else return ffi::Error::InvalidArgument("kivi_decode: scales must be float16, bfloat16 or float32");
-  auto ring_type = [](ffi::DataType t, ScaleType& out) {
-    if (t == ffi::DataType::F32) out = F32;
-    else if (t == ffi::DataType::F16) out = F16;
-    else if (t == ffi::DataType::BF16) out = BF16;
-    else return false;
-    return true;
-  };
-  if (!ring_type(kr.element_type(), a.krt) || !ring_type(vr.element_type(), a.vrt))
+  if (!scale_type(et, a.st))
+    return ffi::Error::InvalidArgument("kivi_decode: scales must be float16, bfloat16 or float32");
+  if (!scale_type(kr.element_type(), a.krt) || !scale_type(vr.element_type(), a.vrt))
     return ffi::Error::InvalidArgument("kivi_decode: rings must be float32, float16 or bfloat16");
   if (a.gk < 32 || a.gk > MAX_CHUNK || a.T % a.gk || a.R % a.gk || a.gv < W || a.gv % W || a.D % a.gv)
     return ffi::Error::InvalidArgument("kivi_decode: unsupported group sizes");

@@ -231,12 +231,7 @@ ffi::Error BMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   thread_local line_vector<float> rounded_rows;  // x rounded to bfloat16, for the dot tiles
   if (!tiles_all) {
     if (rounded_rows.size() < (size_t)(N * C)) rounded_rows.resize(N * C);
-    for (int64_t e = 0; e < N * C; ++e) {
-      uint32_t u;
-      std::memcpy(&u, xp + e, 4);
-      if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;  // NaN stays NaN
-      std::memcpy(&rounded_rows[e], &u, 4);
-    }
+    for (int64_t e = 0; e < N * C; ++e) rounded_rows[e] = bf16_to_float(bf16_bits(xp[e]));
   }
   const float* xr = tiles_all ? xp : rounded_rows.data();
   parallel_for(pool, first[M] * parts, [&](int64_t item) {

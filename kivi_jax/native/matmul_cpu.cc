@@ -358,10 +358,7 @@ ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffe
       (bits == 4 && a.G % 2))
     return ffi::Error::InvalidArgument("qmatmul: codes [L, R, C * bits / 8] and scales [L, R, C / G] disagree with x");
   auto et = scale.element_type();
-  if (et == ffi::DataType::F16) a.st = F16;
-  else if (et == ffi::DataType::BF16) a.st = BF16;
-  else if (et == ffi::DataType::F32) a.st = F32;
-  else return ffi::Error::InvalidArgument("qmatmul: scales must be float16, bfloat16 or float32");
+  if (!scale_type(et, a.st)) return ffi::Error::InvalidArgument("qmatmul: scales must be float16, bfloat16 or float32");
   const bool has_min = md.size() == 3 && md[0] == L && md[1] == a.R && md[2] == a.NG;
   if (has_min && mn.element_type() != et) return ffi::Error::InvalidArgument("qmatmul: mins must have the scales' dtype");
   const int64_t l = std::min<int64_t>(std::max<int64_t>(layer, 0), L - 1);

@@ -166,6 +166,24 @@ inline vi widen(const uint8_t* p) {
 // Scales and mins: float16, bfloat16 or float32 in the cache, float32 here.
 enum ScaleType { F16 = 0, BF16 = 1, F32 = 2 };
 
+// An FFI buffer's element type as a ScaleType; false for any other.
+inline bool scale_type(ffi::DataType t, ScaleType& out) {
+  if (t == ffi::DataType::F16) out = F16;
+  else if (t == ffi::DataType::BF16) out = BF16;
+  else if (t == ffi::DataType::F32) out = F32;
+  else return false;
+  return true;
+}
+
+// float32 -> bfloat16 bits, rounded to nearest even as XLA converts (a NaN stays a quiet NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
   float f;
