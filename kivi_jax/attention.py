@@ -559,6 +559,16 @@ def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Ar
     return jnp.where((held < end[:, None])[:, None, :, None], block, ring)
 
 
+def ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks: int, inv_freq=None):
+    """The ring segment of a KIVI cache's layer: keys and values `[batch, kv_heads, R, head_dim]` float32
+    (`window_tensor`; keys rotated for a pre-RoPE cache), the token each slot holds `[batch, R]`, and which slots count
+    (tokens not yet quantized in both stores, past the sinks; never-written slots hold negative tokens)."""
+    held = layout.ring_tokens(length, k_ring.shape[2])  # [batch, R]
+    k_win = rotated(window_tensor(k_store, layer, k_ring, held, length), held, inv_freq)
+    v_win = window_tensor(v_store, layer, v_ring, held, length)
+    return k_win, v_win, held, (held >= main_end[:, None]) & (held >= num_sinks)
+
+
 def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window,
                     block: int = BLOCK_TOKENS, sinks=None, inv_freq=None, softcap: float | None = None,
                     int8_dots: bool = False, impl: str = "xla") -> jax.Array:
@@ -610,10 +620,7 @@ def chunk_in_one_call(rows: Rows, k_store, v_store, layer, k_ring, v_ring, lengt
     batch = length.shape[0]
     num_sinks = 0 if sinks is None else sinks[0].shape[2]
     main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
-    held = layout.ring_tokens(length, residual)  # [batch, R]
-    k_win = window_tensor(k_store, layer, k_ring, held, length)  # [batch, kv_heads, R, head_dim] float32
-    v_win = window_tensor(v_store, layer, v_ring, held, length)
-    in_ring = (held >= main_end[:, None]) & (held >= num_sinks)  # [batch, R]; never-written slots < 0
+    k_win, v_win, held, in_ring = ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks)
     tokens_first = lambda a: jnp.swapaxes(a.astype(jnp.float32), 1, 2)  # noqa: E731  [batch, tokens, kv_heads, D]
     keys, values, pos, ok = [tokens_first(k_win)], [tokens_first(v_win)], [held], [in_ring]
     if num_sinks:
@@ -668,10 +675,8 @@ def segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_ne
 
     state = blockwise(state, num_tokens, block, main_end, step)
 
-    held = layout.ring_tokens(length, residual)  # [batch, R]
-    k_win = rotated(window_tensor(k_store, layer, k_ring, held, length), held, inv_freq)
-    v_win = window_tensor(v_store, layer, v_ring, held, length)
-    in_ring = (held >= main_end[:, None]) & (held >= num_sinks)  # [batch, R]; never-written slots < 0
+    k_win, v_win, held, in_ring = ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks,
+                                              inv_freq)
 
     def ring(state: Softmax) -> Softmax:
         return segment(state, rows, k_win, v_win, held, in_ring, window, softcap, native=native)
