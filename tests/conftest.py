@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch on 2 threads is up to 100
 # Little compiler optimization (jax_disable_most_optimizations: LLVM at -O0) for the tests on tiny models, here and in
 # the processes they start: nearly all their programs are tiny, so compiling is most of their time (a third less for
 # tests/test_kivi_cache.py). XLA's HLO passes and the float semantics stay the same (XLA:CPU uses no fast math). The
-# real-model tests (`slow`) run their long decodes optimized as usual (at -O0 they took twice as long); see
+# real-model tests (`real_model`) run their long decodes optimized as usual (at -O0 they took twice as long); see
 # `compile_fast` below.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # With KIVI_JAX_TEST_JIT_CACHE=1: one persistent compilation cache for the whole run, shared by the xdist workers and
@@ -64,9 +64,13 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:  # a real-model check is never in the fast tier
+        if item.get_closest_marker("real_model") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
@@ -84,10 +88,10 @@ def fault_handlers_kept():
 
 @pytest.fixture(autouse=True)
 def compile_fast(request):
-    """Every test compiles with few optimizations, except the real-model tests (marked `slow`)."""
+    """Every test compiles with few optimizations, except the real-model tests (marked `real_model`)."""
     import jax
 
-    jax.config.update("jax_disable_most_optimizations", request.node.get_closest_marker("slow") is None)
+    jax.config.update("jax_disable_most_optimizations", request.node.get_closest_marker("real_model") is None)
     yield
 
 
@@ -192,7 +196,7 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real default model (SmolLM2-135M-Instruct), loaded once for every `slow` test that reads it."""
+    """The real default model (SmolLM2-135M-Instruct), loaded once for every `real_model` test that reads it."""
     import kivi_jax
 
     return kivi_jax.load("smollm2", progress=False)

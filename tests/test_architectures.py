@@ -161,6 +161,7 @@ def test_greedy_generate_matches_transformers(models, arch):
     assert gen.token_ids == ref[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_through_chat_and_the_serving_engine_equals_generate(models, arch):
     """The three drivers of the runtime agree on every architecture, with a kivi2 cache past its ring (150 prompt

@@ -62,6 +62,7 @@ def tiny(tiny_dirs):
     return str(path), kivi_jax.load(str(path), progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["full", "k2v2-g16-r32"])
 def test_compiled_generator_gives_the_tokens_of_generate(tiny, spec):
     path, model = tiny
@@ -126,6 +127,7 @@ def test_bench_memory_lowers_a_value_rotated_cache_with_rotated_params(tiny):
     assert bench.decode_temp_bytes(model.config, "k2v2-g16-r32-rotv", 1, 256, jnp.float32) > 0
 
 
+@pytest.mark.slow
 def test_bench_generate_json_and_plot(tiny, capsys, tmp_path):
     path, _ = tiny
     out = run_cli(capsys, "generate", "--model", path, "--batch", "1,2", "--prompt-len", "20", "--new-tokens", "4",

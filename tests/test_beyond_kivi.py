@@ -188,6 +188,7 @@ def test_rotated_keys_change_no_score_while_everything_is_in_the_ring(tiny_dirs)
     assert np.abs(np.asarray(cache.k_ring - plain_cache.k_ring)).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_per_layer_bits_store_the_first_layers_apart(tiny_dirs):
     """`-l1k4v4`: layer 0 at 4 bits, the others at 2. Layer 0 sees the same input in any cache, so its stores equal
     those of an all-4-bit cache fed the same tokens (prefill, a chunk, a decode step under jit)."""

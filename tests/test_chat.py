@@ -159,7 +159,7 @@ def test_the_chat_repl_reads_piped_stdin(model, tiny_dirs, tmp_path, monkeypatch
     assert (tmp_path / "s" / "cache.json").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_the_real_model_recalls_a_fact_from_turn_one_through_a_kivi2_cache(smollm2):
     from kivi_jax.evaluate import default_text
 

@@ -171,7 +171,7 @@ def test_pallas_refuses_codebooks_and_auto_falls_back_quietly():
         assert np.abs(np.asarray(run("auto")) - xla).max() <= 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_real_model_kivi25_through_native_and_its_codebooks_on_real_activations(smollm2):
     """SmolLM2 with kivi2.5: the native kernel gives the XLA path's greedy tokens; on real keys (before RoPE) and
     rotated values of text the calibration never saw (the evaluation split's first window), the shipped codebooks

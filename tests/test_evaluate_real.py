@@ -4,7 +4,7 @@ import pytest
 
 from kivi_jax import evaluate
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.real_model
 
 
 def test_flipped_axes_lose_clearly_more_than_kivi(smollm2):

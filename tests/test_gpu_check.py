@@ -7,6 +7,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -36,6 +38,7 @@ def test_the_script_and_the_kernels_need_only_jax_and_numpy():
     assert "numpy" not in set().union(*(imported_roots(f) for f in (ROOT / "pallas_kernels").glob("*.py")))
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_the_table_and_writes_the_json(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")

@@ -141,6 +141,7 @@ def test_blockwise_attention_equals_dense_reference(kivi, window):
     assert worst <= 1.0
 
 
+@pytest.mark.slow
 def test_kivi_model_decode_error_shrinks_with_bits():
     params = init_params(CFG, jax.random.PRNGKey(0))
     tokens = jnp.asarray(np.random.RandomState(5).randint(0, CFG.vocab_size, (2, 3 * R)))

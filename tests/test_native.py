@@ -216,6 +216,7 @@ HEAD64 = {  # tiny random models with the kernel's head_dim: GQA n_rep 2, and Mi
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(HEAD64))
 def test_generate_with_native_gives_the_xla_greedy_tokens(name, monkeypatch):
     """A ragged batch crossing ring flushes (quantized, flushed-key and ring tokens all in view), KIVI and full."""
@@ -237,6 +238,7 @@ def test_generate_with_native_gives_the_xla_greedy_tokens(name, monkeypatch):
     assert "kivi" in calls and "full" in calls  # both kernels were traced into the decode steps
 
 
+@pytest.mark.slow
 def test_native_int8_runs_the_integer_mode_through_the_model(monkeypatch):
     """`attention_impl="native-int8"` asks the KIVI kernel for its integer mode in every decode step; a build without
     it says so once a trace and gives the float kernel's tokens exactly."""
@@ -304,6 +306,7 @@ print(json.dumps({"runs": runs, "warnings": msgs}))
 """
 
 
+@pytest.mark.slow
 def test_a_failing_build_falls_back_to_the_xla_path_with_one_warning(tmp_path):
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "KIVI_JAX_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -322,7 +325,7 @@ def test_a_failing_build_falls_back_to_the_xla_path_with_one_warning(tmp_path):
     assert not any((tmp_path / "cache").rglob("*.so"))  # nothing half-built left behind
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_real_model_generates_the_xla_greedy_tokens_through_native(smollm2):
     from pydoc_data.topics import topics
 

@@ -169,6 +169,7 @@ def test_auto_takes_the_native_kernel_for_a_16bit_ring(ring, monkeypatch):
             assert calls == [(jnp.dtype(ring), jnp.dtype(ring))]
 
 
+@pytest.mark.slow
 def test_model_logits_through_the_kernel_equal_the_xla_path_for_a_float16_ring(monkeypatch):
     """A tiny model with the kernel's head_dim (GQA, 2 layers) on a `k2v2-g32-r128-ringf16` cache: a ragged prefill
     (the XLA path), then 40 decode steps, each run from the same cache with `attention_impl` "xla" and "auto" (which

@@ -158,6 +158,7 @@ SPECS = ["full", "k2v2-g16-r32", "k4v2-g16-r32", "k2v2-g16-r32-ktok-vchan", "k2v
          "k2v2-g16-r32-l1k4v4", "k2v2-g16-r32-rotv-rotk", "k2v2-g16-r32-ringf16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_paged_model_gives_the_contiguous_logits_for_ragged_chunks_and_shuffled_pages(spec):
     cfg = MISTRAL if spec == "k2v2-g16-r32" else CFG
@@ -222,6 +223,7 @@ def test_paged_stores_equal_contiguous_bit_for_bit(spec):
     assert not np.asarray(pages.error_flags).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["full", "k2v2-g16-r32", "k2v2-g16-r32-s4-prerope"])
 def test_poisoned_free_pages_change_no_output(spec):
     """NaN and random codes in every page a sequence does not hold — and so in the rows of its own pages it has not

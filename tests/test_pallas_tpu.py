@@ -213,6 +213,7 @@ assert {c[4] for c in COVERING} == {False, True}
 
 @pytest.mark.parametrize("generation, matrix", [("v5e", TPU_MATRIX), ("v6e", COVERING), ("v4", COVERING[::3])],
                          ids=["v5e-every", "v6e-covering", "v4-some"])
+@pytest.mark.slow
 def test_every_shipped_configuration_lowers_for_tpu(generation, matrix):
     """One test a generation (the configurations lower in a loop: pytest's per-test overhead would be a third)."""
     for i, (kb, vb, g, d, rope) in enumerate(matrix):

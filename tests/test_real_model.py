@@ -14,7 +14,7 @@ from conftest import torch_threads
 from kivi_jax import hub
 from kivi_jax.models.llama import forward
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.real_model
 
 QUESTION = "What is the capital of France?"
 

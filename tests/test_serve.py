@@ -435,7 +435,7 @@ def test_multi_chunk_prefill_matches_one_piece(model, monkeypatch):
 # The real model
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_real_model_answers_through_the_server(smollm2):
     from kivi_jax.serve.http import ServerThread
     from kivi_jax.serve.server import build_server

@@ -104,6 +104,7 @@ def reference(model, prompt, new, max_length=384):
                              prefill_chunk=64).token_ids
 
 
+@pytest.mark.slow
 def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model):
     """Six short prompts of one width go through two batched prefill calls; a long prompt (four chunks) is
     prefilled a chunk an iteration while two others decode; every greedy answer is `generate` alone's."""
@@ -141,6 +142,7 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     assert outs == [reference(model, short[0], 60), reference(model, short[1], 60), reference(model, long, 8)]
 
 
+@pytest.mark.slow
 def test_the_scheduler_prefills_its_token_budget_between_two_decode_steps(model):
     """With a budget of 256 prompt tokens between two decode steps, a 400-token prompt (seven chunks of 64) arriving
     while two requests decode is prefilled four chunks an iteration (then three), a decode step after each; the
@@ -173,6 +175,7 @@ def test_the_scheduler_prefills_its_token_budget_between_two_decode_steps(model)
     assert seconds["prefill_seconds"] > 0 and seconds["decode_seconds"] > 0 and seconds["host_seconds"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [SPEC, "full", "int8", "kivi2+"])
 def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec):
     """Requests arrive and finish at random steps over 8 slots (so the live set is ragged, with held and free rows
@@ -210,6 +213,7 @@ def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec
     assert got[True] == got[False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True])
 def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):
     """After `warm_up` a batch of short prompts, a long prompt of several chunks and decode steps at every live count

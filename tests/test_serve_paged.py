@@ -32,6 +32,7 @@ def reference(model, spec, prompt, new, chunk=64):
                              prefill_chunk=chunk).token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [SPEC, "full"])
 def test_a_pool_too_small_for_every_request_at_once_still_answers_each_as_generate_alone(model, spec):
     """Nine requests (prompts of 4 to 250 tokens, 10 to 40 new) on 6 slots whose pool holds about three of them at a
@@ -79,6 +80,7 @@ def run_all(eng, model, batch, new, samplings=None):
     return got, sched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [SPEC, "full"])
 def test_requests_that_outgrow_the_pool_are_preempted_and_answer_as_generate_alone(model, spec):
     """Six short prompts with long answers on 6 slots: each is admitted with the pages of its prompt, then takes a
@@ -123,6 +125,7 @@ def test_a_preempted_seeded_request_goes_on_with_its_key(model):
     assert tokens == alone
 
 
+@pytest.mark.slow
 def test_reserving_pages_up_front_never_preempts(model):
     """`grow=False`: each request takes its prompt and max_tokens' pages at admission, so requests wait instead."""
     lengths, new = [10, 21, 5, 30, 12, 8], [70, 50, 75, 45, 60, 66]
@@ -168,6 +171,7 @@ def test_paged_engine_steps_equal_the_slot_engine_steps(model):
     assert np.asarray(pages.caches[0].length).tolist()[:3] == [n + 40 for n in (5, 33, 70)]
 
 
+@pytest.mark.slow
 def test_bench_serve_runs_slots_and_paged_servers_side_by_side(tiny_dirs):
     """`kivi-jax bench serve --layout slots,paged`: one row a layout, the paged one with its page counters (every
     page back in the pool once the level is done). In its own process: the in-process servers' log handlers outlive
@@ -192,6 +196,7 @@ def test_bench_serve_runs_slots_and_paged_servers_side_by_side(tiny_dirs):
     assert out["servers"]["k2v2-g8-r16 paged"]["capacity"]["paged"]
 
 
+@pytest.mark.slow
 def test_the_openai_client_against_a_live_paged_server(tiny_dirs):
     """Concurrent streaming chats through the `openai` client on a paged server whose pool holds two of them at a
     time (6 to 10 pages each of 16): every answer is `generate`'s, a disconnect mid-stream gives its pages back, /metrics reports the pool."""
@@ -255,6 +260,7 @@ def test_the_openai_client_against_a_live_paged_server(tiny_dirs):
     eng.allocator.check()
 
 
+@pytest.mark.slow
 def test_ignore_eos_runs_a_request_to_max_tokens(model):
     """`ignore_eos` (vLLM's, which `bench serve --workload mixed` sends): an EOS ends nothing, so the answer is the
     first max_tokens tokens `generate` gives; without it the answer stops at the EOS."""

@@ -222,6 +222,7 @@ def test_initialize_distributed_needs_all_or_none(monkeypatch):
 # On 8 CPU devices (one child process)
 
 
+@pytest.mark.slow
 def test_sharded_prefill_and_decode_equal_one_device(devices8):
     rows = devices8["parity"]
     assert {(r["model"], r["spec"], r["mesh"]) for r in rows} >= {
@@ -241,6 +242,7 @@ def test_sharded_prefill_and_decode_equal_one_device(devices8):
             assert r["free_running_logit_diff"] <= 1e-5, what
 
 
+@pytest.mark.slow
 def test_every_leaf_carries_the_tables_sharding(devices8):
     for r in devices8["parity"]:
         data, model = (int(x.split("=")[1]) for x in r["mesh"].split(","))
@@ -259,6 +261,7 @@ def test_every_leaf_carries_the_tables_sharding(devices8):
     assert any("kv_heads=3 does not divide the model axis (4)" in w for w in three["warnings"])
 
 
+@pytest.mark.slow
 def test_no_cache_sized_all_gather(devices8):
     for r in devices8["parity"]:
         if "largest_all_gather_decode" not in r:
@@ -269,6 +272,7 @@ def test_no_cache_sized_all_gather(devices8):
         assert r["largest_all_gather_prefill"] < r["smallest_store_shard"], what
 
 
+@pytest.mark.slow
 def test_kernels_per_shard_equal_the_unsharded_xla_path(devices8):
     """The Pallas kernels (interpret mode) and the native CPU kernels, each run per shard under shard_map."""
     assert {(r["impl"], r["spec"]) for r in devices8["kernel"]} == {
@@ -279,6 +283,7 @@ def test_kernels_per_shard_equal_the_unsharded_xla_path(devices8):
         assert r["prefill_logit_diff"] <= 1e-5 and r["decode_logit_diff"] <= 1e-5, r
 
 
+@pytest.mark.slow
 def test_sharded_steps_lower_for_tpu_and_cuda(devices8):
     rows = devices8["lowering"]
     xla = [r for r in rows if r["impl"] == "xla"]
@@ -294,6 +299,7 @@ def test_sharded_steps_lower_for_tpu_and_cuda(devices8):
             assert r.get("decode_ok") and r["triton_in_decode"], r
 
 
+@pytest.mark.slow
 def test_generate_with_a_mesh(devices8):
     assert devices8["generate"]
     for r in devices8["generate"]:
@@ -301,6 +307,7 @@ def test_generate_with_a_mesh(devices8):
         assert [len(s) for s in r["got"]] == [5, 5, 5]
 
 
+@pytest.mark.slow
 def test_quantized_weights_with_a_mesh(devices8):
     """int8 and int4 weights sharded like their float leaves (a projection's rows are its output units: wq's rows
     split over model, wo's columns) give the one-device tokens."""
@@ -311,11 +318,13 @@ def test_quantized_weights_with_a_mesh(devices8):
         assert spec("wo_codes_spec") == "P(None, None, 'model')", r
 
 
+@pytest.mark.slow
 def test_evaluate_with_a_mesh(devices8):
     ref, got = devices8["evaluate"]["ref_nll"], devices8["evaluate"]["got_nll"]
     assert len(got) == 4 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
 
 
+@pytest.mark.slow
 def test_serving_engine_on_a_mesh(devices8):
     """`kivi-jax serve --mesh`: the same tokens as one device (decoding together, and a prefix reused from a
     finished slot); slots split over data, heads over model; a slot is extracted without gathering its group."""
@@ -330,12 +339,14 @@ def test_serving_engine_on_a_mesh(devices8):
     assert len(stores) == 8 and all(spec == "P(None, None, 'model')" for spec in stores), got["row_specs"]
 
 
+@pytest.mark.slow
 def test_bench_generate_with_a_mesh(devices8):
     rows = devices8["bench_generate"]
     assert [r["cache"] for r in rows] == ["full", "k2v2-g32-r32"] and all(r["tokens_per_s"] > 0 for r in rows)
     assert rows[1]["ratio_vs_full"] == rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
 
 
+@pytest.mark.slow
 def test_errors_name_what_is_wrong(devices8):
     err = devices8["errors"]
     assert "needs 4 devices, but there are 8" in err["mesh_count"]
@@ -353,6 +364,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_generate_on_a_2x2_mesh(workers):
     results = [workers("dist0"), workers("dist1")]
     assert [r["process"] for r in results] == [0, 1]

@@ -35,6 +35,7 @@ def measured() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_paged_engine_on_a_model_mesh_answers_as_on_one_device(measured, spec):
     got, ref = measured[spec]["mesh"], measured[spec]["one"]

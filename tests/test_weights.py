@@ -275,6 +275,7 @@ def test_quantized_tiny_model_tracks_the_float_model():
     assert 0 < err["int8"] <= 0.05 and err["int8"] < err["int4-g64"] <= 0.4, err
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:weights impl .native.")  # the prompt's prefill: XLA's dot, as it should
 def test_bfloat16_weights_under_a_float32_model():
     """`weights='bfloat16'` with float32 compute: every matrix `bf16` (half the bytes), norms and activations float32;
@@ -348,6 +349,7 @@ def test_quantized_checkpoint_roundtrips_exactly(tmp_path):
                for a, b in zip(jax.tree_util.tree_leaves(bf16), jax.tree_util.tree_leaves(back)))
 
 
+@pytest.mark.slow
 def test_gguf_blocks_load_as_stored_and_equal_the_dequantized_model(tiny_dirs, tmp_path):
     """A GGUF of Q8_0 / Q4_0 / Q4_1 tensors keeps its blocks by default; its logits are the float32-dequantized
     model's up to summation order, its greedy tokens the same; `weights='float32'` gives today's float params."""
