@@ -1092,34 +1092,7 @@ class Engine:
             plans = [(width, self.groups[0]) for width in widths]
             plans += [(widths[0], (start, n)) for n, start in sizes.items() if start != self.groups[0][0]]
             for width, (start, n_group) in plans:
-                held_back = [i for i in range(self.num_slots) if not start <= i < start + n_group
-                             and self.slots[i].state == FREE]
-                for i in held_back:
-                    self.slots[i].state = FILLING
-                try:
-                    room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
-                    for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)}):  # start_prefill's
-                        n = min(rows, room, self.open_slots())
-                        if n < 1 or (self.paged and n * self.admission_pages(width, 1) + self.headroom
-                                     > self.free_pages()):
-                            break
-                        prompts = [Waiting([self.cfg.pad_id] * width, [Sampling(0.0)], max_tokens=1)
-                                   for _ in range(n)]
-                        if self.prefill_batch > 1:
-                            job = self.start_prefill(prompts)
-                            while (admitted := self.advance(job)) is None:
-                                pass
-                        else:
-                            admitted = [self.admit_choices(w.prompt, w.samplings, max_tokens=1) for w in prompts]
-                        for a in admitted:
-                            for slot in a.slots:
-                                self.free(slot)
-                        runs += 1
-                        if n < rows:  # the group (or the open slots) holds no more: larger rows cannot come here
-                            break
-                finally:
-                    for i in held_back:
-                        self.slots[i].state = FREE
+                runs += self._warm_prefills(width, start, n_group)
             for g, (_, n) in enumerate(self.groups):
                 buckets = sorted({min(1 << k, n) for k in range(n.bit_length() + 1)}) if self.buckets else [n]
                 for width in buckets:
@@ -1131,6 +1104,39 @@ class Engine:
             self.counters.update(counters)
             self.peak_live, self.prefix_snapshots = peak, keep
         return {"programs": runs, "seconds": round(time.monotonic() - t0, 1)}
+
+    def _warm_prefills(self, width: int, start: int, n_group: int) -> int:
+        """Warm-up's prefills of prompts `width` tokens long into the decode group of slots `start` .. `start +
+        n_group` (every other free slot held back meanwhile), one for each row count `start_prefill` forms, each then
+        freed; returns the programs run."""
+        held_back = [i for i in range(self.num_slots) if not start <= i < start + n_group
+                     and self.slots[i].state == FREE]
+        for i in held_back:
+            self.slots[i].state = FILLING
+        runs = 0
+        try:
+            room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
+            for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)}):  # start_prefill's rows
+                n = min(rows, room, self.open_slots())
+                if n < 1 or (self.paged and n * self.admission_pages(width, 1) + self.headroom > self.free_pages()):
+                    break
+                prompts = [Waiting([self.cfg.pad_id] * width, [Sampling(0.0)], max_tokens=1) for _ in range(n)]
+                if self.prefill_batch > 1:
+                    job = self.start_prefill(prompts)
+                    while (admitted := self.advance(job)) is None:
+                        pass
+                else:
+                    admitted = [self.admit_choices(w.prompt, w.samplings, max_tokens=1) for w in prompts]
+                for a in admitted:
+                    for slot in a.slots:
+                        self.free(slot)
+                runs += 1
+                if n < rows:  # the group (or the open slots) holds no more: larger rows cannot come here
+                    break
+        finally:
+            for i in held_back:
+                self.slots[i].state = FREE
+        return runs
 
     def key_of(self, slot: int) -> np.ndarray:
         """The slot's sampling key `[2]` (what its next draw splits), for a request to go on from after preemption."""
