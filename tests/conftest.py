@@ -12,6 +12,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch on 2 threads is up to 100
 # real-model tests (`real_model`) run their long decodes optimized as usual (at -O0 they took twice as long); see
 # `compile_fast` below.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# ... and XLA:CPU's older loop-fusion emitter, which compiles in about half the time (tests/xla_flags.py): every test
+# process, the processes the tests start inheriting it; except a test marked `xla_default_emitters` (below), run in a
+# child process under XLA's own emitters.
+from xla_flags import DEFAULT_EMITTERS_ENV, with_test_flags, without_test_flags  # noqa: E402
+
+if os.environ.get(DEFAULT_EMITTERS_ENV) != "1":
+    os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 # With KIVI_JAX_TEST_JIT_CACHE=1: one persistent compilation cache for the whole run, shared by the xdist workers and
 # every process the tests start (many files compile the same programs of the same tiny models, and a second compile
 # becomes a read: about a tenth of the suite's time here). Off by default: once in about six full runs XLA aborted the
@@ -71,6 +78,27 @@ def pytest_collection_modifyitems(items):
     for item in items:  # a real-model check is never in the fast tier
         if item.get_closest_marker("real_model") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `xla_default_emitters` (a bit-for-bit claim that holds under XLA's default emitters, as users run
+    it, and not under the tests' faster-compiling flag: a batch of rows rounding as one row alone) runs in a child
+    pytest process without the tests' XLA flags; it passes when that run passes."""
+    if pyfuncitem.get_closest_marker("xla_default_emitters") is None or os.environ.get(DEFAULT_EMITTERS_ENV) == "1":
+        return None
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, DEFAULT_EMITTERS_ENV: "1", "XLA_FLAGS": without_test_flags(os.environ.get("XLA_FLAGS", ""))}
+    proc = subprocess.run([sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "-n", "0", "-p", "no:cacheprovider",
+                           "--reruns", "0"], cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0 and re.search(r"^1 passed", proc.stdout, re.M), (
+        f"{pyfuncitem.nodeid} under XLA's default emitters (a child pytest, exit {proc.returncode}):\n"
+        f"{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
+    return True
 
 
 @pytest.fixture(autouse=True)

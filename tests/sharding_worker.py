@@ -19,7 +19,11 @@ MODE = sys.argv[1]
 DEVICES = {"devices8": 8, "distributed": 2}[MODE]
 # LLVM at -O0: the programs here are tiny, so compiling (about 30 sharded programs a process) is nearly all the time;
 # the partitioned HLO (what the all-gather and sharding checks read) and the float semantics stay the same.
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} --xla_backend_optimization_level=0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from xla_flags import with_test_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_test_flags(
+    f"--xla_force_host_platform_device_count={DEVICES} --xla_backend_optimization_level=0")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's kivi_jax
 
@@ -42,7 +46,6 @@ from kivi_jax.generate import generate  # noqa: E402
 from kivi_jax.models.config import LlamaConfig  # noqa: E402
 from kivi_jax.models.llama import forward, init_params  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_target import cuda_target  # noqa: E402
 
 KIVI = "k2v2-g32-r32"  # kivi2 with a short ring, so the quantized stores and a key flush are exercised

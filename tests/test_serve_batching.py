@@ -36,10 +36,14 @@ def leaves(cache) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(cache)]
 
 
+BIT_FOR_BIT = pytest.mark.xla_default_emitters  # as users compile it (tests/xla_flags.py)
+
+
 @pytest.mark.parametrize("spec,chunk,lengths,exact", [
-    (SPEC, 64, [5, 17, 40, 63], True),  # one chunk of 64, ragged
-    (SPEC, 64, [130, 150, 190], True),  # three chunks of 64 (3 prompts: a 4-row call with an empty row)
-    ("full", 64, [70, 100], True),
+    pytest.param(SPEC, 64, [5, 17, 40, 63], True, marks=BIT_FOR_BIT),  # one chunk of 64, ragged
+    # three chunks of 64 (3 prompts: a 4-row call with an empty row)
+    pytest.param(SPEC, 64, [130, 150, 190], True, marks=BIT_FOR_BIT),
+    pytest.param("full", 64, [70, 100], True, marks=BIT_FOR_BIT),
     (SPEC, 16, [34, 37, 48], False),  # chunks of 16: XLA's dot of 16 rows rounds unlike that of 64
 ])
 def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec, chunk, lengths, exact):

@@ -177,8 +177,11 @@ def _main() -> dict:
 
 if __name__ == "__main__":
     # before jax starts: forced CPU devices, LLVM at -O0 (tiny programs: compiling is nearly all the time)
-    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={DEVICES} "
-                               "--xla_backend_optimization_level=0")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from xla_flags import with_test_flags
+
+    os.environ["XLA_FLAGS"] = with_test_flags(f"--xla_force_host_platform_device_count={DEVICES} "
+                                              "--xla_backend_optimization_level=0")
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, ROOT)  # the checkout's kivi_jax
     print(json.dumps(_main()))
