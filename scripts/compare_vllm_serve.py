@@ -15,9 +15,10 @@ The servers run one at a time, each as a subprocess on a free loopback port, wit
 (`--kv-gib`: vLLM's KV cache space, kivi-jax's `--cache-budget`); every workload runs `--runs` times on each server
 (the first run on kivi-jax also compiles its shapes: every run is reported). A workload is a number of concurrent
 streaming chat clients, one request each, greedy, with prompts of given token lengths (made from the prose every
-Python ships, `kivi_jax.evaluate.default_text`) and a number of new tokens; the report gives output tokens/s, time to
-first token (p50, p99), the gap between streamed tokens, the most requests decoding at once and the preemptions (both
-read from the servers' /metrics), and whether the greedy answers agree across servers.
+Python ships, `kivi_jax.evaluate.default_text`; each run other stretches of it) and a number of new tokens; the
+report gives output tokens/s, time to first token (p50, p99), the gap between streamed tokens, the most requests
+decoding at once, the preemptions and the prompt tokens taken from a prefix cache (read from the servers' /metrics),
+and whether the greedy answers agree across servers.
 """
 
 from __future__ import annotations
@@ -83,9 +84,11 @@ def start(name: str, args, hf_dir: Path, port: int, logfile: Path) -> subprocess
     return launch(cmd, port, name, logfile, env)
 
 
-def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
+def make_prompts(tokenizer, clients: int, low: int, high: int, run: int = 1) -> list[str]:
     """`clients` chat prompts of `low`..`high` tokens of prose (as the model's tokenizer counts the text), each a
-    different stretch of it, ending in a question."""
+    different stretch of it, ending in a question. Each `run` takes other stretches, so that no server answers a run
+    from a prefix cache the run before filled (vLLM's is on by default: before 2026-12-06 every run repeated the
+    first's prompts, and vLLM's second runs of `long` reused them)."""
     from kivi_jax.evaluate import default_text
 
     text = default_text()
@@ -93,7 +96,7 @@ def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
     out = []
     for i in range(clients):
         n = low + (high - low) * i // max(clients - 1, 1)
-        start = (i * 7919) % (len(offsets) - n - 1)
+        start = (i * 7919 + (run - 1) * 104_729) % (len(offsets) - n - 1)
         body = text[offsets[start][0] : offsets[start + n][0]]
         out.append(f"{body}\n\nIn one sentence, what is the text above about?" if n > 100 else
                    f"Answer briefly. {body.strip()[:400]}?")
@@ -103,6 +106,8 @@ def make_prompts(tokenizer, clients: int, low: int, high: int) -> list[str]:
 # Prometheus series read from either server's /metrics: requests decoding now, preemptions so far
 LIVE_SERIES = ("kivi_serve_live_slots", "vllm:num_requests_running")
 PREEMPT_SERIES = ("kivi_serve_preemptions_total", "vllm:num_preemptions_total")
+# prompt tokens a server took from its prefix cache instead of computing them
+PREFIX_HIT_SERIES = ("kivi_serve_prefix_tokens_reused_total", "vllm:prefix_cache_hits_total")
 
 
 def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
@@ -145,7 +150,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     busy = lambda http: {part: scrape(http, url, (f"kivi_serve_{part}_seconds_total",))  # noqa: E731
                          for part in SECONDS}
     with httpx.Client() as http:
-        preempted0 = scrape(http, url, PREEMPT_SERIES)
+        preempted0, reused0 = scrape(http, url, PREEMPT_SERIES), scrape(http, url, PREFIX_HIT_SERIES)
         busy0 = busy(http)
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -165,7 +170,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     done.set()
     poller.join()
     with httpx.Client() as http:
-        preempted1 = scrape(http, url, PREEMPT_SERIES)
+        preempted1, reused1 = scrape(http, url, PREEMPT_SERIES), scrape(http, url, PREFIX_HIT_SERIES)
         busy1 = busy(http)
     ok = [r for r in results if r and r["status"] == 200 and r["arrivals"]]
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
@@ -176,6 +181,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
             "output_tokens_per_s": round(tokens / wall, 2), "ttft_s_p50": pct(ttft, 50), "ttft_s_p99": pct(ttft, 99),
             "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99), "peak_live": int(max(live)) if live else None,
             "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0)),
+            "prefix_tokens_reused": None if reused0 is None or reused1 is None else int(reused1 - reused0),
             # kivi-jax only: the scheduler's seconds in admissions and prefill chunks, decode steps, token handling
             **{f"{part}_s": (None if busy0[part] is None or busy1[part] is None else round(busy1[part] - busy0[part], 2))
                for part in SECONDS}}
@@ -206,11 +212,12 @@ def kv_capacity(name: str, logfile: Path) -> str | None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | peak live | "
-             "preempted | ok |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "preempted | prefix tokens reused | ok |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['server']} | {r['run']} | {r['output_tokens_per_s']} | "
                      f"{r['ttft_s_p50']} / {r['ttft_s_p99']} | {r['itl_s_p50']} / {r['itl_s_p99']} | "
-                     f"{r.get('peak_live')} | {r.get('preemptions')} | {r['ok']}/{r['requests']} |")
+                     f"{r.get('peak_live')} | {r.get('preemptions')} | {r.get('prefix_tokens_reused')} | "
+                     f"{r['ok']}/{r['requests']} |")
     return "\n".join(lines)
 
 
@@ -248,7 +255,8 @@ def main(argv=None) -> int:
     work = cache_root() / "vllm" / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
-    prompts = {w: make_prompts(tokenizer, c, lo, hi) for w, (c, (lo, hi), _) in workloads.items()}
+    prompts = {w: {run: make_prompts(tokenizer, c, lo, hi, run) for run in range(1, args.runs + 1)}
+               for w, (c, (lo, hi), _) in workloads.items()}
     rows, capacity, checked = [], {}, {}
     for name in servers:
         port, logfile = free_port(), work / f"serve-{name.replace(':', '_').replace('=', '')}.log"
@@ -258,11 +266,11 @@ def main(argv=None) -> int:
             capacity[name] = kv_capacity(name, logfile)
             for w, (clients, _, new) in workloads.items():
                 for run in range(1, args.runs + 1):
-                    r = run_workload(url, prompts[w], new)
+                    r = run_workload(url, prompts[w][run], new)
                     rows.append({"workload": w, "server": name, "run": run, "clients": clients, **r})
                     log(f"{w} {name} run {run}: {json.dumps(r)}")
                 if args.check:
-                    checked.setdefault(w, {})[name] = answers(url, prompts[w][: args.check], min(new, 32))
+                    checked.setdefault(w, {})[name] = answers(url, prompts[w][1][: args.check], min(new, 32))
         finally:
             stop(proc)
     agree = {w: all(a == next(iter(by.values())) for a in by.values()) for w, by in checked.items()}

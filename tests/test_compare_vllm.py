@@ -54,3 +54,30 @@ def test_kv_capacity_reads_slots_and_paged_start_lines(tmp_path):
     assert cmp.kv_capacity("kivi2:--paged", log).startswith("kivi2, paged: 72 rows of up to 2048")
     log.write_text("kivi-jax serve: model 'smollm2'; cache kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all\n")
     assert cmp.kv_capacity("kivi2", log) == "kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all"
+
+
+def test_prefix_cache_hits_are_read_from_either_server():
+    vllm = VLLM_METRICS + 'vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 4096.0\n'
+    assert cmp.scrape(FakeHttp(vllm), "u", cmp.PREFIX_HIT_SERIES) == 4096.0
+    assert cmp.scrape(FakeHttp(KIVI_METRICS + "kivi_serve_prefix_tokens_reused_total 12\n"), "u",
+                      cmp.PREFIX_HIT_SERIES) == 12.0
+    assert cmp.scrape(FakeHttp(VLLM_METRICS), "u", cmp.PREFIX_HIT_SERIES) is None
+
+
+class WordTokenizer:
+    """Offsets of whitespace-separated words, as a fast tokenizer's `return_offsets_mapping` gives them."""
+
+    def __call__(self, text, return_offsets_mapping, add_special_tokens):
+        import re
+
+        return {"offset_mapping": [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]}
+
+
+def test_each_run_prompts_other_stretches_of_the_same_lengths():
+    tok = WordTokenizer()
+    first, second = (cmp.make_prompts(tok, 8, 120, 400, run) for run in (1, 2))
+    assert cmp.make_prompts(tok, 8, 120, 400) == first  # run 1 is the default
+    words = lambda ps: [len(p.split()) for p in ps]  # noqa: E731
+    assert words(first) == words(second)
+    assert not set(first) & set(second)  # no prompt, so no prompt's prefix of a chunk, repeats from run 1 to run 2
+    assert all(a.split()[:16] != b.split()[:16] for a, b in zip(first, second))
