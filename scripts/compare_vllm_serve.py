@@ -128,7 +128,8 @@ def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
 
 def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL, the most
-    requests decoding at once (the servers' /metrics sampled every 0.2 s) and the preemptions."""
+    requests decoding at once (the servers' /metrics sampled every 0.2 s), the preemptions and the prompt tokens
+    taken from a prefix cache."""
     import httpx
     import numpy as np
 
