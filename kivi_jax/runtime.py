@@ -131,8 +131,10 @@ def prefill_logits(params: Params, tokens: jax.Array, cache, lengths=None):
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, last: jax.Array, last_at: jax.Array):
     """One chunk `tokens [batch, C]` (`num_new [batch]` real) onto the cache; `last [batch, vocab]` keeps, for each
-    sequence, the logits after its last prompt token, which sits at `last_at [batch]` in this chunk (-1: elsewhere)."""
-    logits, cache = forward(params, tokens, cache, num_new=num_new, logits_at=jnp.maximum(last_at, 0))
+    sequence, the logits after its last prompt token, which sits at `last_at [batch]` in this chunk (-1: elsewhere).
+    Float32 projections are seen as `weights.FloatMatrix` (the native CPU matmul's packed strips)."""
+    logits, cache = forward(weights.native_view(params), tokens, cache, num_new=num_new,
+                            logits_at=jnp.maximum(last_at, 0))
     return jnp.where((last_at >= 0)[:, None], logits[:, 0], last), cache
 
 

@@ -24,8 +24,10 @@ to slice a layer out of it, and not an integer one.
 
 `matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.SPLIT_ROWS` rows of
 float32) the native kernel reads the codes once (`kivi_jax/native/matmul_cpu.cc`); otherwise (prefill chunks, GPU,
-TPU, a device mesh, `impl="xla"`) the XLA path dequantizes inside the dot. Inside the layer scan a stacked weight is
-read at the layer index (`at_layer`), never sliced.
+TPU, a device mesh, `impl="xla"`) the XLA path dequantizes inside the dot. A float32 projection seen through
+`native_view` (`FloatMatrix`) takes its native kernel for any number of rows, a prefill chunk's too; a float32
+table for decode-sized inputs only. Inside the layer scan a stacked weight is read at the layer index (`at_layer`),
+never sliced.
 """
 
 from __future__ import annotations
@@ -248,7 +250,7 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
 class FloatMatrix:
     """A float32 projection `W [(layers,) in, out]` (`transposed`) or table `T [rows, cols]` that the model sees as a
     matrix with `matmul_t`, as it sees a `QuantizedMatrix`: made inside a trace by `native_view`, so that a decode
-    step's matmuls run in the native CPU kernel, which reads a stacked leaf in place at the layer index (XLA's dot
+    step's matmuls and a prefill chunk's projections run in the native CPU kernel, which reads a stacked leaf in place at the layer index (XLA's dot
     would first copy the layer's slice out of the stack: a quarter of a 32-row step's time, docs/kernels.md)."""
 
     w: jax.Array
@@ -295,8 +297,8 @@ class FloatMatrix:
         def unsupported():
             if bf16_reason(self.dot_dtype):
                 return bf16_reason(self.dot_dtype)
-            if rows > matmul.SPLIT_ROWS:
-                return f"{rows} activation rows is more than the native path's {matmul.SPLIT_ROWS}"
+            if rows > matmul.SPLIT_ROWS and not self.transposed:
+                return f"{rows} activation rows of a table is more than the native path's {matmul.SPLIT_ROWS}"
             if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(self.w.dtype) != jnp.float32:
                 return "the kernel computes float32 weights and activations"
             return None
@@ -327,7 +329,8 @@ def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Arra
 
 def native_view(params, impl: str = "auto"):
     """`params` with every float32 projection and table seen as a `FloatMatrix` (a view, no copy: for use inside a
-    jitted decode step), so that the native CPU kernel computes their matmuls; other params as they are. Under a
+    jitted decode step or prefill chunk), so that the native CPU kernel computes their matmuls; other params (and
+    matrices already seen through a view, e.g. `prefill_view`'s bfloat16 ones) as they are. Under a
     device mesh `params` as they are: XLA partitions the dots there, and reads each layer's slice of a sharded stack
     through the model's scan (a view indexed at the layer would gather the stack across devices)."""
     from kivi_jax.mesh_scope import active_mesh
@@ -335,7 +338,7 @@ def native_view(params, impl: str = "auto"):
     if active_mesh() is not None:
         return params
     new = {name: FloatMatrix(w, transposed=not table, impl=impl) for name, w, table in _quantizable(params)
-           if not is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32}
+           if isinstance(w, jax.Array) and jnp.dtype(w.dtype) == jnp.float32}
     return replace_leaves(params, new) if new else params
 
 

@@ -114,16 +114,22 @@ FLOAT_CASES = [(64, 96), (72, 40), (33, 17), (576, 192)]
 @pytest.mark.parametrize("cols, rows", FLOAT_CASES)
 def test_float_native_matmul_equals_the_xla_twin(cols, rows):
     """A float32 projection W [in, out] (read at a layer of its stack) and a table T [out, in] through the native
-    kernel against XLA's dot, for every activation-row count a decode bucket can have and a few odd ones."""
+    kernel against XLA's dot, for every activation-row count a decode bucket can have and a few odd ones; a
+    projection also for prefill-sized inputs (the packed strips past 64 rows: row counts that are multiples of
+    neither the tile's 12 rows nor the 512 of a work item)."""
+    from kivi_jax.native import matmul
+
     assert native.available(), native.error()
     rng = np.random.default_rng(cols * rows)
     w = jnp.asarray(rng.standard_normal((3, cols, rows)), jnp.float32)
     t = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
     f = jax.jit(lambda x, m, layer: m.at_layer(layer).matmul_t(x) if m.transposed else m.matmul_t(x))
-    for batch in (1, 2, 3, 7, 8, 13, 16, 32, 45, 64):
+    for batch in (1, 2, 3, 7, 8, 13, 16, 32, 45, 64, 65, 131, 523):
         x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)
-        for m, want in ((weights.FloatMatrix(w), np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)),
-                        (weights.FloatMatrix(t, transposed=False), np.asarray(x, np.float64) @ np.asarray(t).T)):
+        cases = [(weights.FloatMatrix(w), np.asarray(x, np.float64) @ np.asarray(w[2], np.float64))]
+        if batch <= matmul.SPLIT_ROWS:  # a table takes the kernel for a decode step's rows only
+            cases.append((weights.FloatMatrix(t, transposed=False), np.asarray(x, np.float64) @ np.asarray(t).T))
+        for m, want in cases:
             ref = np.asarray(f(x, m.replace(impl="xla"), jnp.int32(2)))
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # no silent fallback
@@ -149,10 +155,11 @@ def test_float_matrices_sharing_an_input_run_in_one_native_call(monkeypatch):
         assert np.abs(np.asarray(y) - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_native_view_takes_float32_decode_steps_only():
+def test_native_view_takes_float32_decode_steps_and_prefill_projections():
     """`native_view` runs a float32 decode step's projections and tied head in the native kernel (the stacks read in
-    place: no dynamic slice of a weight stack is left), with the logits of the plain model; a prefill chunk, bfloat16
-    weights and a program lowered for a GPU keep XLA's dot."""
+    place: no dynamic slice of a weight stack is left), with the logits of the plain model; a prefill chunk's
+    projections too (its head over every position keeps XLA's dot); bfloat16 weights and a program lowered for a GPU
+    keep XLA's dot."""
     params = init_params(tiny_cfg(num_layers=3), jax.random.PRNGKey(0))
     cache = kivi_jax.make_cache("kivi2", params.config, 4, 256)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (4, 1)), jnp.int32)
@@ -160,13 +167,18 @@ def test_native_view_takes_float32_decode_steps_only():
     viewed = jax.jit(lambda p, t, c: forward(weights.native_view(p), t, c)[0])
     text = viewed.lower(params, tokens, cache).compile().as_text()
     assert text.count('custom_call_target="kivi_jax_fmatmul"') == 5  # qkv, o, gate+up, down, the head
-    sliced = lambda hlo: [l for l in hlo.splitlines() if "dynamic-slice" in l and "= f32[192,128]" in l]  # w_down
+    sliced = lambda hlo: [l for l in hlo.splitlines()  # w_down's layer copied out of its stack
+                          if l.split("=")[0].strip().startswith("%dynamic-slice") and "= f32[192,128]" in l]
     assert sliced(plain.lower(params, tokens, cache).compile().as_text()) and not sliced(text)
     got, want = np.asarray(viewed(params, tokens, cache)), np.asarray(plain(params, tokens, cache))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    prefill = jnp.zeros((1, 96), jnp.int32)
-    assert "kivi_jax_fmatmul" not in viewed.lower(params, prefill, kivi_jax.make_cache("kivi2", params.config, 1, 256)
-                                                 ).as_text()
+    prefill = jnp.asarray(np.random.default_rng(2).integers(0, 96, (2, 96)), jnp.int32)
+    fresh = lambda: kivi_jax.make_cache("kivi2", params.config, 2, 256)
+    text = viewed.lower(params, prefill, fresh()).compile().as_text()
+    assert text.count('custom_call_target="kivi_jax_fmatmul"') == 4  # qkv, o, gate+up, down: 96 rows a sequence
+    assert not sliced(text)
+    got, want = np.asarray(viewed(params, prefill, fresh())), np.asarray(plain(params, prefill, fresh()))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     bf16 = weights.convert_params(params, "bfloat16")
     assert "kivi_jax_fmatmul" not in viewed.lower(bf16, tokens, kivi_jax.make_cache(
         "kivi2", params.config, 4, 256, jnp.bfloat16)).as_text()

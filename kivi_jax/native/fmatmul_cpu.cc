@@ -6,7 +6,9 @@
 //
 // Work items are blocks of output units shared out on XLA's intra-op thread pool; an item runs every tile of
 // activation rows over its block (gemm.h), the first tile reading the block's weights from memory, the others from
-// cache, so each weight is read from memory once per call whatever the rows.
+// cache, so each weight is read from memory once per call whatever the rows. A projection of more than GEMM_ROWS
+// activation rows (a prefill chunk) goes a packed strip at a time instead (`gemm_strip`: an item is a strip of
+// GEMM_NR output units by up to GEMM_MB rows, 12 rows by 32 units in registers on AVX-512).
 
 #include "amx.h"
 #include "gemm.h"
@@ -105,6 +107,8 @@ inline void amx_block(const uint32_t* xp, int64_t N, int64_t n0, int64_t n1, int
 #endif
 
 constexpr int64_t AXPY_ITEM = AXPY_NV * W;       // output units a work item of a projection takes
+constexpr int64_t GEMM_ROWS = 64;    // more activation rows (a prefill chunk): a projection in packed strips (gemm.h)
+constexpr int64_t GEMM_MB = 512;     // activation rows a strip's work item takes
 constexpr int64_t DOT_ITEM = 64;                // ... of a table
 constexpr int64_t PART_ROWS = 128;              // activation rows an AMX work item of a bfloat16 matrix takes
 
@@ -143,8 +147,9 @@ ffi::Error FMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     const int64_t li = std::min<int64_t>(std::max<int64_t>(l, 0), wd[0] - 1);
     a.w = w->typed_data() + li * wd[1] * wd[2];
     a.y = (*y)->typed_data();
-    const int64_t unit = a.projection ? AXPY_ITEM : DOT_ITEM;
+    const int64_t unit = a.projection ? (N > GEMM_ROWS ? GEMM_NR : AXPY_ITEM) : DOT_ITEM;
     a.items = (a.R + unit - 1) / unit;
+    if (a.projection && N > GEMM_ROWS) a.items *= (N + GEMM_MB - 1) / GEMM_MB;
     first[i + 1] = first[i] + a.items;
   }
   const float* xp = x.typed_data();
@@ -152,6 +157,14 @@ ffi::Error FMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     size_t i = 0;
     while (it >= first[i + 1]) ++i;
     const FArgs& a = mats[i];
+    if (a.projection && N > GEMM_ROWS) {  // item: a block of GEMM_MB activation rows by a strip of output units
+      thread_local line_vector<float> strip;
+      if (strip.size() < (size_t)(C * GEMM_NR)) strip.resize(C * GEMM_NR);
+      const int64_t strips = (a.R + GEMM_NR - 1) / GEMM_NR, local = it - first[i];
+      const int64_t n0 = local / strips * GEMM_MB;
+      gemm_strip(xp, C, a.w, a.R, a.y, n0, std::min(N, n0 + GEMM_MB), local % strips * GEMM_NR, strip.data());
+      return;
+    }
     const int64_t unit = a.projection ? AXPY_ITEM : DOT_ITEM;
     const int64_t r0 = (it - first[i]) * unit, r1 = std::min(a.R, r0 + unit);
     if (a.projection) {

@@ -1,6 +1,7 @@
 // Register-blocked float32 tiles of y = x W for the few activation rows of a decode step (docs/kernels.md "Float
 // weights"), shared by the float-weight matmul (fmatmul_cpu.cc) and the quantized one's many-row path
-// (matmul_cpu.cc, on weight rows decoded to float32 first).
+// (matmul_cpu.cc, on weight rows decoded to float32 first); and, at the end, the packed strips of a prefill chunk's
+// many rows (`gemm_strip`).
 //
 // Two layouts of the weights, two tiles:
 // - `axpy_tile`: W [C, R] row by row (a projection W [in, out]: the output units of a row contiguous). MR activation
@@ -9,6 +10,8 @@
 //   activation rows times NR weight rows, summed along C in vector lanes and reduced at the end.
 
 #pragma once
+
+#include <utility>
 
 #include "simd.h"
 
@@ -195,6 +198,84 @@ inline void dot_block(const float* x, int64_t N, int64_t C, const T* w, int64_t 
       dot_kernel<T>(mr, nr)(x + n * C, C, w + (r - r0) * ldw, ldw, C, y + n * R + r, R);
       for (int64_t k = 0; k < share && pf < pf_end; k += 64, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     }
+  }
+}
+
+
+// ---- Many activation rows (a prefill chunk): y = x W a packed strip of output units at a time ----
+
+#if defined(__AVX512F__)
+constexpr int GEMM_MR = 12;  // activation rows a tile holds: 24 accumulators, 2 weight vectors, 1 broadcast
+#else
+constexpr int GEMM_MR = 6;   // 12 accumulators of the 16 registers
+#endif
+constexpr int GEMM_NV = 2;                   // vectors of output units a strip holds
+constexpr int64_t GEMM_NR = GEMM_NV * W;     // output units of a strip
+
+// Columns [r0, r0 + n) (n <= GEMM_NR) of W [C, R] row by row, copied to bp [C][GEMM_NR] (contiguous, zero past n),
+// so that every tile of a strip streams its weights front to back.
+inline void pack_strip(const float* w, int64_t C, int64_t R, int64_t r0, int64_t n, float* bp) {
+  if (n == GEMM_NR) {
+    for (int64_t c = 0; c < C; ++c)
+#pragma GCC unroll 2
+      for (int j = 0; j < GEMM_NV; ++j) vstore(bp + c * GEMM_NR + j * W, vload(w + c * R + r0 + j * W));
+    return;
+  }
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t j = 0; j < GEMM_NR; ++j) bp[c * GEMM_NR + j] = j < n ? w[c * R + r0 + j] : 0.0f;
+}
+
+// y[i, j] = sum_c x[i, c] bp[c, j] for i < MR, j < n (n <= GEMM_NR): activation rows at stride ldx, a packed strip
+// (`pack_strip`), outputs at stride ldy.
+template <int MR>
+inline void gemm_tile(const float* x, int64_t ldx, const float* bp, int64_t C, float* y, int64_t ldy, int64_t n) {
+  vf acc[MR][GEMM_NV];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < GEMM_NV; ++j) acc[i][j] = vf{};
+  for (int64_t c = 0; c < C; ++c) {
+    vf b[GEMM_NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < GEMM_NV; ++j) b[j] = vload(bp + c * GEMM_NR + j * W);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const vf xb = vbroadcast(x + i * ldx + c);
+#pragma GCC unroll 2
+      for (int j = 0; j < GEMM_NV; ++j) acc[i][j] += xb * b[j];
+    }
+  }
+  if (n == GEMM_NR) {
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < GEMM_NV; ++j) vstore(y + i * ldy + j * W, acc[i][j]);
+    return;
+  }
+  alignas(64) float row[GEMM_NR];
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < GEMM_NV; ++j) vstore(row + j * W, acc[i][j]);
+    std::memcpy(y + i * ldy, row, n * sizeof(float));
+  }
+}
+
+using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+
+template <int... MRs>
+inline GemmFn gemm_for_rows(int mr, std::integer_sequence<int, MRs...>) {
+  GemmFn fns[] = {gemm_tile<MRs + 1>...};
+  return fns[mr - 1];
+}
+
+// Output units [r0, r0 + GEMM_NR) (clipped to R) of y [N, R] = x [N, C] W [C, R] for activation rows [n0, n1):
+// the strip packed into bp (C * GEMM_NR floats), then every tile of GEMM_MR rows.
+inline void gemm_strip(const float* x, int64_t C, const float* w, int64_t R, float* y, int64_t n0, int64_t n1,
+                       int64_t r0, float* bp) {
+  const int64_t n = std::min<int64_t>(GEMM_NR, R - r0);
+  pack_strip(w, C, R, r0, n, bp);
+  for (int64_t i = n0; i < n1; i += GEMM_MR) {
+    const int mr = (int)std::min<int64_t>(GEMM_MR, n1 - i);
+    gemm_for_rows(mr, std::make_integer_sequence<int, GEMM_MR>{})(x + i * C, C, bp, C, y + i * R + r0, R, n);
   }
 }
 

@@ -14,7 +14,7 @@ from kivi_jax.native import build
 
 MAX_ROWS = 64  # activation rows one kernel call takes (past 8 it dequantizes each weight row once for all of them)
 SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS; longer inputs (prefill chunks) use
-# XLA's dot
+# XLA's dot, but for a float32 projection (`fmatmul`'s packed strips take any number of rows)
 BITS = (4, 8)
 
 

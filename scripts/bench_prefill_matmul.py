@@ -1,0 +1,73 @@
+"""A prompt's prefill with float32 projections in the native kernel's packed strips against XLA's dot, in one
+process, the two interleaved (docs/kernels.md "Float weights", docs/serving.md "Run 23"): each round prefills new
+random tokens both ways (chunks of 512) onto a fresh cache; the first round compiles and is not counted. Prints JSON
+(each counted round's milliseconds, the medians' ratio, prompt tokens/s, the largest logit difference).
+
+    PYTHONPATH=. python scripts/bench_prefill_matmul.py --tokens 512,1024 --cache kivi2
+"""
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kivi_jax
+from kivi_jax import runtime, weights
+from kivi_jax.cache import make_cache
+from kivi_jax.models.decoder import forward
+
+
+@functools.partial(jax.jit, static_argnames=("native",), donate_argnames=("cache",))
+def chunk(params, tokens, num_new, cache, native: bool):
+    """One chunk onto the cache -> (logits after its last token, cache), the projections native or XLA's."""
+    logits, cache = forward(weights.native_view(params) if native else params, tokens, cache, num_new=num_new,
+                            logits_at=num_new - 1)
+    return logits[:, 0], cache
+
+
+def prefill(params, ids: np.ndarray, spec: str, native: bool):
+    """Seconds to prefill `ids [batch, n]` onto a fresh cache, and the last chunk's logits."""
+    batch, n = ids.shape
+    cache = jax.device_put(make_cache(spec, params.config, batch, max(2048, n), jnp.float32), jax.devices()[0])
+    start = time.perf_counter()
+    for s in range(0, n, runtime.PREFILL_CHUNK):
+        w = min(runtime.PREFILL_CHUNK, n - s)
+        last, cache = chunk(params, jnp.asarray(ids[:, s : s + w]), jnp.full((batch,), w, jnp.int32), cache, native)
+    last.block_until_ready()
+    return time.perf_counter() - start, last
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="512,1024", help="comma-separated prompt lengths")
+    p.add_argument("--cache", default="kivi2")
+    p.add_argument("--rounds", type=int, default=6, help="rounds a length, the first compiling")
+    args = p.parse_args()
+    params = kivi_jax.load("smollm2", weights="float32", progress=False).params
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in map(int, args.tokens.split(",")):
+        ms = {True: [], False: []}
+        diff = 0.0
+        for r in range(args.rounds):
+            ids = rng.integers(100, 40000, (1, n)).astype(np.int32)
+            last = {}
+            for native in (True, False) if r % 2 else (False, True):
+                t, last[native] = prefill(params, ids, args.cache, native)
+                if r:
+                    ms[native].append(round(1000 * t))
+            diff = max(diff, float(jnp.max(jnp.abs(last[True] - last[False]))))
+        med = {k: float(np.median(v)) for k, v in ms.items()}
+        rows.append({"tokens": n, "cache": args.cache, "native_ms": ms[True], "xla_ms": ms[False],
+                     "ratio_of_medians": round(med[True] / med[False], 3),
+                     "native_tokens_per_s": round(1000 * n / med[True]),
+                     "xla_tokens_per_s": round(1000 * n / med[False]),
+                     "max_logit_difference": diff})
+        print(json.dumps(rows[-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
