@@ -22,12 +22,12 @@ step's attention and the cache around bfloat16 weights (a prefill chunk's attent
 rate on a CPU that has it; its codes are the bits as uint16 because XLA:CPU widens a whole bfloat16 stack to float32
 to slice a layer out of it, and not an integer one.
 
-`matmul_t(x) = x @ M.T`: on the CPU backend, for decode-sized inputs (at most `native.matmul.SPLIT_ROWS` rows of
-float32) the native kernel reads the codes once (`kivi_jax/native/matmul_cpu.cc`); otherwise (prefill chunks, GPU,
-TPU, a device mesh, `impl="xla"`) the XLA path dequantizes inside the dot. A float32 projection seen through
-`native_view` (`FloatMatrix`) takes its native kernel for any number of rows, a prefill chunk's too; a float32
-table for decode-sized inputs only. Inside the layer scan a stacked weight is read at the layer index (`at_layer`),
-never sliced.
+`matmul_t(x) = x @ M.T`: on the CPU backend, for float32 inputs of any number of rows, the native kernel reads the
+codes once (`kivi_jax/native/matmul_cpu.cc`; past `native.matmul.SPLIT_ROWS` rows, a prefill chunk's, decoded a
+strip of rows at a time into gemm.h's packed tiles); otherwise (GPU, TPU, a device mesh, `impl="xla"`, other
+dtypes) the XLA path dequantizes inside the dot. A float32 projection seen through `native_view` (`FloatMatrix`)
+takes its native kernel for any number of rows too; a float32 table for at most SPLIT_ROWS. Inside the layer scan a
+stacked weight is read at the layer index (`at_layer`), never sliced.
 """
 
 from __future__ import annotations
@@ -236,10 +236,7 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
             for i, y in zip(half, outs):
                 ys[i] = y
         if rest:
-            parts = [matmul.qmatmul(flat[r : r + matmul.MAX_ROWS], *(ws[i] for i in rest))
-                     for r in range(0, n, matmul.MAX_ROWS)]
-            for i, y in zip(rest, [p[0] for p in zip(*parts)] if len(parts) == 1 else
-                            [jnp.concatenate(p) for p in zip(*parts)]):
+            for i, y in zip(rest, matmul.qmatmul(flat, *(ws[i] for i in rest))):
                 ys[i] = y
         return tuple(y.reshape(lead + (w.num_rows,)).astype(out_dtype) for y, w in zip(ys, ws))
 
@@ -250,8 +247,9 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
 class FloatMatrix:
     """A float32 projection `W [(layers,) in, out]` (`transposed`) or table `T [rows, cols]` that the model sees as a
     matrix with `matmul_t`, as it sees a `QuantizedMatrix`: made inside a trace by `native_view`, so that a decode
-    step's matmuls and a prefill chunk's projections run in the native CPU kernel, which reads a stacked leaf in place at the layer index (XLA's dot
-    would first copy the layer's slice out of the stack: a quarter of a 32-row step's time, docs/kernels.md)."""
+    step's matmuls and a prefill chunk's projections run in the native CPU kernel, which reads a stacked leaf in
+    place at the layer index (XLA's dot would first copy the layer's slice out of the stack: a quarter of a 32-row
+    step's time, docs/kernels.md)."""
 
     w: jax.Array
     layer: jax.Array | None = None

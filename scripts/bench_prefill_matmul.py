@@ -1,9 +1,9 @@
-"""A prompt's prefill with float32 projections in the native kernel's packed strips against XLA's dot, in one
-process, the two interleaved (docs/kernels.md "Float weights", docs/serving.md "Run 23"): each round prefills new
+"""A prompt's prefill with the projections in the native kernels' packed strips (float32 weights, or the GGUF's own
+blocks with `--weights auto`) against XLA's dot, in one process, the two interleaved (docs/kernels.md "Float weights", docs/serving.md "Run 23"): each round prefills new
 random tokens both ways (chunks of 512) onto a fresh cache; the first round compiles and is not counted. Prints JSON
 (each counted round's milliseconds, the medians' ratio, prompt tokens/s, the largest logit difference).
 
-    PYTHONPATH=. python scripts/bench_prefill_matmul.py --tokens 512,1024 --cache kivi2
+    PYTHONPATH=. python scripts/bench_prefill_matmul.py --tokens 512,1024 --cache kivi2 --weights float32
 """
 import argparse
 import functools
@@ -23,8 +23,8 @@ from kivi_jax.models.decoder import forward
 @functools.partial(jax.jit, static_argnames=("native",), donate_argnames=("cache",))
 def chunk(params, tokens, num_new, cache, native: bool):
     """One chunk onto the cache -> (logits after its last token, cache), the projections native or XLA's."""
-    logits, cache = forward(weights.native_view(params) if native else params, tokens, cache, num_new=num_new,
-                            logits_at=num_new - 1)
+    view = weights.native_view(params) if native else weights.with_impl(params, "xla")
+    logits, cache = forward(view, tokens, cache, num_new=num_new, logits_at=num_new - 1)
     return logits[:, 0], cache
 
 
@@ -45,8 +45,9 @@ def main():
     p.add_argument("--tokens", default="512,1024", help="comma-separated prompt lengths")
     p.add_argument("--cache", default="kivi2")
     p.add_argument("--rounds", type=int, default=6, help="rounds a length, the first compiling")
+    p.add_argument("--weights", default="float32", help="float32, or auto (the GGUF's own blocks)")
     args = p.parse_args()
-    params = kivi_jax.load("smollm2", weights="float32", progress=False).params
+    params = kivi_jax.load("smollm2", weights=args.weights, progress=False).params
     rng = np.random.default_rng(0)
     rows = []
     for n in map(int, args.tokens.split(",")):
@@ -61,7 +62,7 @@ def main():
                     ms[native].append(round(1000 * t))
             diff = max(diff, float(jnp.max(jnp.abs(last[True] - last[False]))))
         med = {k: float(np.median(v)) for k, v in ms.items()}
-        rows.append({"tokens": n, "cache": args.cache, "native_ms": ms[True], "xla_ms": ms[False],
+        rows.append({"tokens": n, "cache": args.cache, "weights": args.weights, "native_ms": ms[True], "xla_ms": ms[False],
                      "ratio_of_medians": round(med[True] / med[False], 3),
                      "native_tokens_per_s": round(1000 * n / med[True]),
                      "xla_tokens_per_s": round(1000 * n / med[False]),

@@ -80,7 +80,9 @@ def test_native_matmul_equals_the_xla_twin(fmt, rows, cols):
     assert native.available(), native.error()
     w = random_matrix(fmt, rows, cols, layers=3, seed=rows)
     f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
-    for batch in (1, 3, 8, 9, 13, 32, 45, 64):  # past 8 rows: weight rows dequantized once, register-blocked tiles
+    # past 8 rows: weight rows dequantized once, register-blocked tiles; past 64 (a prefill chunk's rows): a strip of
+    # rows decoded into gemm.h's packed tiles (row counts that are multiples of neither its 12 rows nor its 512)
+    for batch in (1, 3, 8, 9, 13, 32, 45, 64, 65, 131, 523):
         x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, cols)), jnp.float32)
         ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))
         with warnings.catch_warnings():
@@ -91,7 +93,7 @@ def test_native_matmul_equals_the_xla_twin(fmt, rows, cols):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (fmt, batch)
 
 
-def test_native_is_taken_for_decode_and_xla_for_prefill(monkeypatch):
+def test_native_is_taken_for_decode_and_prefill_in_one_call(monkeypatch):
     from kivi_jax.native import matmul
 
     calls = []
@@ -99,12 +101,13 @@ def test_native_is_taken_for_decode_and_xla_for_prefill(monkeypatch):
     monkeypatch.setattr(matmul, "qmatmul", lambda x, *ws: calls.append(x.shape) or real(x, *ws))
     w = random_matrix("q4_1", 16, 64)
     jax.jit(lambda x: w.matmul_t(x)).lower(jnp.ones((1, 4, 64), jnp.float32))
-    jax.jit(lambda x: w.matmul_t(x)).lower(jnp.ones((2, 512, 64), jnp.float32))  # a prefill chunk: XLA's dot
-    assert calls == [(4, 64)]
+    jax.jit(lambda x: w.matmul_t(x)).lower(jnp.ones((2, 512, 64), jnp.float32))  # a prefill chunk: packed strips
+    assert calls == [(4, 64), (1024, 64)]
     jax.jit(lambda x: w.matmul_t(x)).lower(jnp.ones((45, 64), jnp.float32))  # a 45-row decode step: one call
-    assert calls[1:] == [(45, 64)]
-    with pytest.warns(UserWarning, match="XLA path"):  # forced native on a shape it cannot take says so
-        jax.jit(lambda x: w.replace(impl="native").matmul_t(x)).lower(jnp.ones((65, 64), jnp.float32))
+    assert calls[2:] == [(45, 64)]
+    with pytest.warns(UserWarning, match="XLA path"):  # forced native on a dtype it cannot take says so
+        jax.jit(lambda x: w.replace(impl="native").matmul_t(x)).lower(jnp.ones((65, 64), jnp.bfloat16))
+    assert calls[3:] == []
 
 
 # (in, out) of float matrices: neither a multiple of the kernel's column blocks (64, 16) nor of the SIMD width

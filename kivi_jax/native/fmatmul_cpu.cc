@@ -107,8 +107,6 @@ inline void amx_block(const uint32_t* xp, int64_t N, int64_t n0, int64_t n1, int
 #endif
 
 constexpr int64_t AXPY_ITEM = AXPY_NV * W;       // output units a work item of a projection takes
-constexpr int64_t GEMM_ROWS = 64;    // more activation rows (a prefill chunk): a projection in packed strips (gemm.h)
-constexpr int64_t GEMM_MB = 512;     // activation rows a strip's work item takes
 constexpr int64_t DOT_ITEM = 64;                // ... of a table
 constexpr int64_t PART_ROWS = 128;              // activation rows an AMX work item of a bfloat16 matrix takes
 

@@ -211,6 +211,8 @@ constexpr int GEMM_MR = 6;   // 12 accumulators of the 16 registers
 #endif
 constexpr int GEMM_NV = 2;                   // vectors of output units a strip holds
 constexpr int64_t GEMM_NR = GEMM_NV * W;     // output units of a strip
+constexpr int64_t GEMM_ROWS = 64;   // more activation rows than this (a prefill chunk): packed strips
+constexpr int64_t GEMM_MB = 512;    // activation rows a strip's work item takes
 
 // Columns [r0, r0 + n) (n <= GEMM_NR) of W [C, R] row by row, copied to bp [C][GEMM_NR] (contiguous, zero past n),
 // so that every tile of a strip streams its weights front to back.
@@ -223,6 +225,25 @@ inline void pack_strip(const float* w, int64_t C, int64_t R, int64_t r0, int64_t
   }
   for (int64_t c = 0; c < C; ++c)
     for (int64_t j = 0; j < GEMM_NR; ++j) bp[c * GEMM_NR + j] = j < n ? w[c * R + r0 + j] : 0.0f;
+}
+
+// Rows rows [n][C] (n <= GEMM_NR: weight rows decoded to float32, each an output unit) transposed into bp
+// [C][GEMM_NR], zero past n: the strip `pack_strip` makes of a projection.
+inline void pack_rows_strip(const float* rows, int64_t C, int64_t n, float* bp) {
+  int64_t c0 = 0;
+#if defined(__AVX512F__)
+  static_assert(GEMM_NR % 16 == 0, "strips of whole 16s");
+  for (; c0 + 16 <= C; c0 += 16)
+    for (int64_t j0 = 0; j0 < GEMM_NR; j0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < n ? _mm512_loadu_si512(rows + (j0 + i) * C + c0) : _mm512_setzero_si512();
+      transpose16(r);  // r[c]: column c0 + c of rows j0 .. j0 + 15
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(bp + (c0 + c) * GEMM_NR + j0, r[c]);
+    }
+#endif
+  for (int64_t c = c0; c < C; ++c)
+    for (int64_t j = 0; j < GEMM_NR; ++j) bp[c * GEMM_NR + j] = j < n ? rows[j * C + c] : 0.0f;
 }
 
 // y[i, j] = sum_c x[i, c] bp[c, j] for i < MR, j < n (n <= GEMM_NR): activation rows at stride ldx, a packed strip
@@ -267,16 +288,23 @@ inline GemmFn gemm_for_rows(int mr, std::integer_sequence<int, MRs...>) {
   return fns[mr - 1];
 }
 
+// Output units [r0, r0 + n) (n <= GEMM_NR) of y [N, R] for activation rows [n0, n1) of x [N, C], from a packed
+// strip bp (`pack_strip`, `pack_rows_strip`): every tile of GEMM_MR rows.
+inline void gemm_rows(const float* x, int64_t C, const float* bp, float* y, int64_t R, int64_t n0, int64_t n1,
+                      int64_t r0, int64_t n) {
+  for (int64_t i = n0; i < n1; i += GEMM_MR) {
+    const int mr = (int)std::min<int64_t>(GEMM_MR, n1 - i);
+    gemm_for_rows(mr, std::make_integer_sequence<int, GEMM_MR>{})(x + i * C, C, bp, C, y + i * R + r0, R, n);
+  }
+}
+
 // Output units [r0, r0 + GEMM_NR) (clipped to R) of y [N, R] = x [N, C] W [C, R] for activation rows [n0, n1):
 // the strip packed into bp (C * GEMM_NR floats), then every tile of GEMM_MR rows.
 inline void gemm_strip(const float* x, int64_t C, const float* w, int64_t R, float* y, int64_t n0, int64_t n1,
                        int64_t r0, float* bp) {
   const int64_t n = std::min<int64_t>(GEMM_NR, R - r0);
   pack_strip(w, C, R, r0, n, bp);
-  for (int64_t i = n0; i < n1; i += GEMM_MR) {
-    const int mr = (int)std::min<int64_t>(GEMM_MR, n1 - i);
-    gemm_for_rows(mr, std::make_integer_sequence<int, GEMM_MR>{})(x + i * C, C, bp, C, y + i * R + r0, R, n);
-  }
+  gemm_rows(x, C, bp, y, R, n0, n1, r0, n);
 }
 
 }  // namespace

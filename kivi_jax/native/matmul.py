@@ -12,9 +12,9 @@ import numpy as np
 
 from kivi_jax.native import build
 
-MAX_ROWS = 64  # activation rows one kernel call takes (past 8 it dequantizes each weight row once for all of them)
-SPLIT_ROWS = 64  # activation rows the native path takes, in calls of MAX_ROWS; longer inputs (prefill chunks) use
-# XLA's dot, but for a float32 projection (`fmatmul`'s packed strips take any number of rows)
+SPLIT_ROWS = 64  # activation rows a decode step's path takes (past 8 it dequantizes each weight row once for all of
+# them); more (a prefill chunk) go a packed strip at a time (gemm.h: a quantized matrix's rows decoded into it), but
+# for a float32 table (the head over every position: XLA's dot)
 BITS = (4, 8)
 
 
@@ -37,8 +37,6 @@ def unsupported(w, rows: int, x_dtype) -> str | None:
         return None if jnp.dtype(x_dtype) == jnp.float32 else "the kernel takes float32 activations"
     if w.bits not in BITS:
         return f"the kernel reads {BITS}-bit codes, not {w.bits}"
-    if rows > SPLIT_ROWS:
-        return f"{rows} activation rows is more than the native path's {SPLIT_ROWS} (a prefill chunk: XLA's dot)"
     if jnp.dtype(x_dtype) != jnp.float32:
         return f"the kernel computes in float32, not {jnp.dtype(x_dtype).name}"
     if w.bits == 4 and w.group % 2:

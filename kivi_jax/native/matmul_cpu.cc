@@ -341,6 +341,22 @@ void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
   }
 }
 
+// Output rows [r0, r0 + GEMM_NR) (clipped to R) of y [N, R] = x M^T for activation rows [n0, n1) (more than
+// GEMM_ROWS in all: a prefill chunk): the strip's weight rows decoded (`decoded_row`) and transposed into a packed
+// strip, then gemm.h's tiles, as for a float32 projection.
+void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
+  thread_local line_vector<float> rows, strip;
+  if (rows.size() < (size_t)(GEMM_NR * a.C)) rows.resize(GEMM_NR * a.C);
+  if (strip.size() < (size_t)(GEMM_NR * a.C)) strip.resize(GEMM_NR * a.C);
+  const int64_t n = std::min<int64_t>(GEMM_NR, a.R - r0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (bits == 4) decoded_row<4>(a, r0 + j, rows.data() + j * a.C);
+    else decoded_row<8>(a, r0 + j, rows.data() + j * a.C);
+  }
+  pack_rows_strip(rows.data(), a.C, n, strip.data());
+  gemm_rows(a.x, a.C, strip.data(), a.y, a.R, n0, n1, r0, n);
+}
+
 // One matrix of a call, checked: its QArgs (x, y and xsum set by the caller) and bits.
 ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer mn, int64_t layer, int64_t N,
                        int64_t C, int64_t bits, int64_t group, int64_t offset, QArgs& a) {
@@ -395,6 +411,10 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if ((*y)->element_count() != (size_t)(N * a.R)) return ffi::Error::InvalidArgument("qmatmul: y must be [N, R]");
     a.x = x.typed_data();
     a.y = (*y)->typed_data();
+    if (N > GEMM_ROWS) {  // items: a strip of GEMM_NR rows of M by a block of GEMM_MB activation rows
+      first[i + 1] = first[i] + (a.R + GEMM_NR - 1) / GEMM_NR * ((N + GEMM_MB - 1) / GEMM_MB);
+      continue;
+    }
     xsums[i].resize(N * a.NG);
     for (int64_t k = 0; k < N * a.NG; ++k) {  // group k % NG of row k / NG: rows are NG whole groups
       const float* p = a.x + k * a.G;
@@ -409,6 +429,11 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     size_t i = 0;
     while (it >= first[i + 1]) ++i;
     const QArgs& a = mats[i];
+    if (N > GEMM_ROWS) {
+      const int64_t strips = (a.R + GEMM_NR - 1) / GEMM_NR, local = it - first[i], n0 = local / strips * GEMM_MB;
+      strip_item(a, (int)bits[i], local % strips * GEMM_NR, n0, std::min(N, n0 + GEMM_MB));
+      return;
+    }
     const int64_t r0 = (it - first[i]) * ITEM_ROWS;
     item(a, (int)bits[i], r0, std::min(a.R, r0 + ITEM_ROWS));
   });
