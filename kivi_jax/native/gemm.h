@@ -201,7 +201,6 @@ inline void dot_block(const float* x, int64_t N, int64_t C, const T* w, int64_t 
   }
 }
 
-
 // ---- Many activation rows (a prefill chunk): y = x W a packed strip of output units at a time ----
 
 #if defined(__AVX512F__)
