@@ -1,7 +1,8 @@
 """A prompt's prefill with the projections in the native kernels' packed strips (float32 weights, or the GGUF's own
-blocks with `--weights auto`) against XLA's dot, in one process, the two interleaved (docs/kernels.md "Float weights", docs/serving.md "Run 23"): each round prefills new
-random tokens both ways (chunks of 512) onto a fresh cache; the first round compiles and is not counted. Prints JSON
-(each counted round's milliseconds, the medians' ratio, prompt tokens/s, the largest logit difference).
+blocks with `--weights auto`) against XLA's dot, in one process, the two interleaved (docs/kernels.md "Float
+weights", docs/serving.md "Run 23"): each round prefills new random tokens both ways (chunks of 512) onto a fresh
+cache; the first round compiles and is not counted. Prints JSON (each counted round's milliseconds, the medians'
+ratio, prompt tokens/s, the largest logit difference).
 
     PYTHONPATH=. python scripts/bench_prefill_matmul.py --tokens 512,1024 --cache kivi2 --weights float32
 """
@@ -62,7 +63,8 @@ def main():
                     ms[native].append(round(1000 * t))
             diff = max(diff, float(jnp.max(jnp.abs(last[True] - last[False]))))
         med = {k: float(np.median(v)) for k, v in ms.items()}
-        rows.append({"tokens": n, "cache": args.cache, "weights": args.weights, "native_ms": ms[True], "xla_ms": ms[False],
+        rows.append({"tokens": n, "cache": args.cache, "weights": args.weights,
+                     "native_ms": ms[True], "xla_ms": ms[False],
                      "ratio_of_medians": round(med[True] / med[False], 3),
                      "native_tokens_per_s": round(1000 * n / med[True]),
                      "xla_tokens_per_s": round(1000 * n / med[False]),
