@@ -35,7 +35,7 @@ inline void axpy_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, 
   const char* pf_end = next ? reinterpret_cast<const char*>(next + C * (part + 1) / parts * ldw) : nullptr;
   int countdown = 0;
   vf acc[MR][NV];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
@@ -50,14 +50,14 @@ inline void axpy_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, 
     vf wv[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) wv[j] = vload(wc + j * W);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const vf xb = vbroadcast(x + i * ldx + c);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[i][j] += xb * wv[j];
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) vstore(y + i * ldy + j * W, acc[i][j]);
@@ -246,37 +246,13 @@ inline void pack_rows_strip(const float* rows, int64_t C, int64_t n, float* bp) 
 }
 
 // y[i, j] = sum_c x[i, c] bp[c, j] for i < MR, j < n (n <= GEMM_NR): activation rows at stride ldx, a packed strip
-// (`pack_strip`), outputs at stride ldy.
+// (`pack_strip`) as `axpy_tile`'s weights, outputs at stride ldy (a strip's last, narrower tile through a buffer).
 template <int MR>
 inline void gemm_tile(const float* x, int64_t ldx, const float* bp, int64_t C, float* y, int64_t ldy, int64_t n) {
-  vf acc[MR][GEMM_NV];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 2
-    for (int j = 0; j < GEMM_NV; ++j) acc[i][j] = vf{};
-  for (int64_t c = 0; c < C; ++c) {
-    vf b[GEMM_NV];
-#pragma GCC unroll 2
-    for (int j = 0; j < GEMM_NV; ++j) b[j] = vload(bp + c * GEMM_NR + j * W);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const vf xb = vbroadcast(x + i * ldx + c);
-#pragma GCC unroll 2
-      for (int j = 0; j < GEMM_NV; ++j) acc[i][j] += xb * b[j];
-    }
-  }
-  if (n == GEMM_NR) {
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 2
-      for (int j = 0; j < GEMM_NV; ++j) vstore(y + i * ldy + j * W, acc[i][j]);
-    return;
-  }
-  alignas(64) float row[GEMM_NR];
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < GEMM_NV; ++j) vstore(row + j * W, acc[i][j]);
-    std::memcpy(y + i * ldy, row, n * sizeof(float));
-  }
+  if (n == GEMM_NR) return axpy_tile<MR, GEMM_NV>(x, ldx, bp, GEMM_NR, C, y, ldy, nullptr, 0, 1);
+  alignas(64) float part[MR * GEMM_NR];
+  axpy_tile<MR, GEMM_NV>(x, ldx, bp, GEMM_NR, C, part, GEMM_NR, nullptr, 0, 1);
+  for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, part + i * GEMM_NR, n * sizeof(float));
 }
 
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
