@@ -10,9 +10,10 @@ a time: memory is bounded by the chunk and block sizes, and no dequantized cache
 
 Dispatch: a decode step (`T = 1`) may take a kernel (`decode_kivi`, `decode_full`: Pallas on GPU, and for the KIVI
 cache on TPU, C++ on the CPU); a chunk of more than one token takes the XLA path, except that on the CPU its dense
-segments of bfloat16 rows (its own tokens, stored blocks dequantized, the ring, sinks) may go to the native chunk
-kernel (`segment`, `chunk_native`; docs/kernels.md "Chunk attention"), and over a KIVI cache whose stores it reads in
-place, the whole chunk in one call of it (`chunk_in_one_call`, twin: `segments`).
+segments (its own tokens, stored blocks dequantized, the ring, sinks; bfloat16 rows on a CPU with AMX, float32 ones
+with AVX-512) may go to the native chunk kernel (`segment`, `chunk_native`; docs/kernels.md "Chunk attention"), and
+over a KIVI cache whose stores it reads in place, the whole chunk in one call of it (`chunk_in_one_call`, twin:
+`segments`).
 Shapes: q `[batch, T, q_heads, head_dim]`; cache tensors stacked `[layers, batch, kv_heads, tokens, ...]`, read one
 block of one layer at a time (`layer=None` takes tensors that hold one layer already).
 """
@@ -190,8 +191,8 @@ def segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_
     """Adds keys and values `[batch, kv_heads, tokens, head_dim]` (`[batch, tokens, kv_heads, head_dim]` with
     `keys_token_major`, token-major rows only) at positions `key_pos [batch or 1, tokens]` to the rows' online
     softmax: a key counts where `key_ok [batch or 1, tokens]`, at or before the row when `causal` (new tokens; stored
-    ones precede every row), inside the sliding `window`. `native`: the C++ kernel computes it (a chunk's bfloat16
-    rows on the CPU, `chunk_native`, token-major rows); the XLA path (`dense_segment`) is its twin."""
+    ones precede every row), inside the sliding `window`. `native`: the C++ kernel computes it (a chunk's rows on
+    the CPU, `chunk_native`, token-major rows); the XLA path (`dense_segment`) is its twin."""
     if rows.token_major:  # the kernel's form; XLA's path groups them (a program lowered for a GPU or TPU)
         def xla() -> Softmax:
             kv_heads, tokens = keys.shape[2 if keys_token_major else 1], rows.q.shape[1]
@@ -212,7 +213,7 @@ def segment(state: Softmax, rows: Rows, keys: jax.Array, values: jax.Array, key_
 
         return Softmax(*attend.segment(state.m, state.l, state.acc, rows.q, rows.pos, keys, values, key_pos, key_ok,
                                        window, causal, scale=rows.q.shape[-1] ** -0.5,
-                                       kv_tokens_first=keys_token_major))
+                                       kv_tokens_first=keys_token_major, dot_dtype=rows.dot_dtype))
 
     return jax.lax.platform_dependent(cpu=kernel, default=xla)  # a program lowered for a GPU or TPU: XLA's
 
@@ -237,8 +238,9 @@ def key_mask(rows: Rows, key_pos: jax.Array, key_ok: jax.Array, window: int | No
 
 def chunk_native(impl: str, rows: Rows, softcap: float | None) -> bool:
     """Whether a chunk's segments take the native kernel: `auto` or `native` on the CPU backend with the kernels
-    built, bfloat16 rows (`Rows.dot_dtype`), no soft-cap, a head dim the kernel takes, no device mesh (XLA partitions
-    the XLA path); a forced `native` says why not."""
+    built, rows whose dots it serves on this CPU (`Rows.dot_dtype`: bfloat16 with AMX, float32 with AVX-512), no
+    soft-cap, a head dim the kernel takes, no device mesh (XLA partitions the XLA path); a forced `native` says why
+    not."""
     if jax.default_backend() != "cpu" or not use_native(impl):  # (a failed build has warned once already)
         return False
     from kivi_jax.mesh_scope import active_mesh
@@ -247,7 +249,7 @@ def chunk_native(impl: str, rows: Rows, softcap: float | None) -> bool:
     reason = attend.unsupported(rows.dot_dtype, rows.q.shape[-1], softcap)
     if reason is None and active_mesh() is not None:
         reason = "a device mesh is active"
-    if reason is not None and rows.dot_dtype == jnp.bfloat16:
+    if reason is not None:
         fall_back(impl, f"a chunk's attention: {reason}")
     return reason is None
 
@@ -587,8 +589,9 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     q_heads, head_dim]` in q's dtype.
     """
     rows = group_queries(q, positions, k_store.kv_heads)
-    native = chunk_native(impl, rows, softcap) and not int8_dots
     many = many_rows(rows.q.shape[2])
+    # a chunk's many rows may take the kernel; few (a short chunk's) fold the scales into q and p on XLA's path
+    native = many and chunk_native(impl, rows, softcap) and not int8_dots
     if native:
         rows = as_token_major(q, positions, rows)
         from kivi_jax.native import attend
@@ -637,7 +640,8 @@ def chunk_in_one_call(rows: Rows, k_store, v_store, layer, k_ring, v_ring, lengt
     return attend.segment(None, None, None, rows.q, rows.pos, cat(keys), cat(values),
                           cat([p.astype(jnp.int32) for p in pos]), cat(ok), window, causal=True,
                           scale=rows.q.shape[-1] ** -0.5, kv_tokens_first=True,
-                          store=(k_store, v_store, layer, num_sinks, main_end), finish=True)[2]
+                          store=(k_store, v_store, layer, num_sinks, main_end), finish=True,
+                          dot_dtype=rows.dot_dtype)[2]
 
 
 def segments(q, positions, k_store, v_store, layer, k_ring, v_ring, length, k_new, v_new, num_new, window, block,
@@ -702,8 +706,9 @@ def decode_kivi_xla(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) the XLA path, its bfloat16 segments on an AMX
-# CPU the native chunk kernel (`segment`, `chunk_native` above; over a readable KIVI store, one call a layer).
+# Dispatch: a decode step (T = 1) may take a kernel; a chunk (T > 1) the XLA path, its segments on the CPU the native
+# chunk kernel (bfloat16 rows with AMX, float32 with AVX-512: `segment`, `chunk_native` above; over a readable KIVI
+# store, one call a layer).
 
 
 def use_pallas(impl: str, tpu_kernel: bool = False) -> bool:

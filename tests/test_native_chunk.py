@@ -1,10 +1,10 @@
 """The native chunk-attention kernel (`kivi_jax/native/attend_cpu.cc`) equals its twin, `attention.segment`'s XLA
-path with bfloat16 dots, on random segments: row and key counts that are not multiples of its 32-row items or
-64-key steps, head dims 32 / 64 / 128, causal and stored segments, sliding windows, keys not ok, rows that see
-nothing, a state carried in; its AMX tiles and its scalar path alike. A chunk over a KIVI cache in one call, the
-stores read in place, equals the XLA path's walk a segment at a time. Through the model, a bfloat16 chunked prefill
-onto KIVI and full caches gives the XLA path's logits and greedy tokens, and a program lowered for a GPU keeps the
-XLA path."""
+path with bfloat16 dots (or float32 ones), on random segments: row and key counts that are not multiples of its
+32-row items or 64-key steps, head dims 32 / 64 / 128, causal and stored segments, sliding windows, keys not ok, rows
+that see nothing, a state carried in; its AMX tiles, its scalar path and its float32 tiles alike. A chunk over a
+KIVI cache in one call, the stores read in place, equals the XLA path's walk a segment at a time. Through the model,
+a chunked prefill (bfloat16 with AMX, float32 with AVX-512) onto KIVI and full caches gives the XLA path's logits
+and greedy tokens, and a program lowered for a GPU keeps the XLA path."""
 
 import jax
 import jax.numpy as jnp
@@ -59,30 +59,43 @@ CASES = [  # batch, kv heads, query tokens, keys, head_dim, n_rep, window, causa
 ]
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "scalar"])
+DOTS = {  # the kernel's modes: (AMX tiles, dot dtype); each compared with the twin of its dot dtype
+    "amx": (True, jnp.bfloat16), "scalar": (False, jnp.bfloat16), "float32": (False, jnp.float32)}
+
+
+def close(got, want, dot_dtype, atol=2e-2, mean=2e-3):
+    """bfloat16 dots: probabilities round to bfloat16 against each side's own reference (the XLA path's segment max,
+    the kernel's running one), so outputs agree to that rounding, not bit for bit; float32 dots: to float32's
+    rounding of sums taken in another order."""
+    if dot_dtype == jnp.float32:
+        atol, mean = 2e-5, 2e-6
+    np.testing.assert_allclose(got, want, atol=atol)
+    assert np.mean(np.abs(got - want)) < mean
+
+
+@pytest.mark.parametrize("dots", DOTS)
 @pytest.mark.parametrize("case", CASES, ids=[f"t{c[2]}-k{c[3]}-d{c[4]}-w{c[6]}-{'causal' if c[7] else 'stored'}"
                                               for c in CASES])
-def test_the_kernel_equals_its_twin(case, amx):
+def test_the_kernel_equals_its_twin(case, dots):
+    amx, dot_dtype = DOTS[dots]
     batch, heads, tokens_q, tokens, head_dim, n_rep, window, causal, kv_first = case
     rng = np.random.default_rng(tokens_q * 7 + tokens)
     state, q, q_pos, k, v, k_pos, k_ok = random_segment(rng, batch, heads, tokens_q, tokens, head_dim, n_rep, causal,
                                                         kv_first)
+    q = q.astype(dot_dtype)
 
     def twin(state, q, q_pos, k, v):  # the XLA path, regrouping the rows (as a program lowered for a GPU does)
-        rows = attention.Rows(q, q_pos, jnp.bfloat16, token_major=True)
+        rows = attention.Rows(q, q_pos, dot_dtype, token_major=True)
         return attention.segment(state, rows, k, v, k_pos, k_ok, window, causal=causal, keys_token_major=kv_first)
 
     def kernel(state, q, q_pos, k, v):
         return attention.Softmax(*attend.segment(*state, q, q_pos, k, v, k_pos, k_ok, window, causal, amx,
-                                                 scale=head_dim**-0.5, kv_tokens_first=kv_first))
+                                                 scale=head_dim**-0.5, kv_tokens_first=kv_first, dot_dtype=dot_dtype))
 
     want = jax.jit(twin)(state, q, q_pos, k, v)
     got = jax.jit(kernel)(state, q, q_pos, k, v)
     want_out, got_out = np.asarray(want.result()), np.asarray(got.result())
-    # probabilities round to bfloat16 against each side's own reference (the XLA path's segment max, the kernel's
-    # running one): outputs agree to that rounding, not bit for bit
-    np.testing.assert_allclose(got_out, want_out, atol=2e-2)
-    assert np.mean(np.abs(got_out - want_out)) < 2e-3
+    close(got_out, want_out, dot_dtype)
     # a query that sees no key of the segment keeps its state exactly; every other one moved
     qp, kp, ok = np.asarray(q_pos), np.asarray(k_pos), np.asarray(k_ok)
     sees = np.broadcast_to(ok[:, None, :], (batch, tokens_q, tokens)).copy()
@@ -97,28 +110,29 @@ def test_the_kernel_equals_its_twin(case, amx):
     assert not np.allclose(got_out[~blind], np.asarray(state.result())[~blind], atol=1e-3)
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "scalar"])
+@pytest.mark.parametrize("dots", DOTS)
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["causal", "window"])
-def test_a_fresh_finished_call_equals_the_twins_result(case, amx):
+def test_a_fresh_finished_call_equals_the_twins_result(case, dots):
     """No state in (`m = l = acc = None`: every row starts from nothing seen) and the attention out (`finish`):
     the twin's `Softmax.empty`, segment and `result`, rows that see nothing 0."""
     batch, heads, tokens_q, tokens, head_dim, n_rep, window, causal, kv_first = case
     rng = np.random.default_rng(tokens_q + tokens)
     _, q, q_pos, k, v, k_pos, k_ok = random_segment(rng, batch, heads, tokens_q, tokens, head_dim, n_rep, causal,
                                                     kv_first)
+    amx, dot_dtype = DOTS[dots]
+    q = q.astype(dot_dtype)
 
     def twin(q, q_pos, k, v):
-        rows = attention.Rows(q, q_pos, jnp.bfloat16, token_major=True)
+        rows = attention.Rows(q, q_pos, dot_dtype, token_major=True)
         return attention.segment(attention.Softmax.empty(q), rows, k, v, k_pos, k_ok, window, causal=causal,
                                  keys_token_major=kv_first).result()
 
     def kernel(q, q_pos, k, v):
         return attend.segment(None, None, None, q, q_pos, k, v, k_pos, k_ok, window, causal, amx,
-                              scale=head_dim**-0.5, kv_tokens_first=kv_first, finish=True)[2]
+                              scale=head_dim**-0.5, kv_tokens_first=kv_first, finish=True, dot_dtype=dot_dtype)[2]
 
     want, got = np.asarray(jax.jit(twin)(q, q_pos, k, v)), np.asarray(jax.jit(kernel)(q, q_pos, k, v))
-    np.testing.assert_allclose(got, want, atol=2e-2)
-    assert np.mean(np.abs(got - want)) < 2e-3
+    close(got, want, dot_dtype)
     blind = (want == 0).all(-1)
     assert blind.any() and not blind.all()  # the first query token sees nothing (causal cases)
     np.testing.assert_array_equal(got[blind], 0.0)
@@ -142,17 +156,25 @@ STORE_CASES = [  # k_bits, v_bits, k_group, v_group, head_dim, residual, lengths
 ]
 
 
-@pytest.mark.skipif(not build.has_amx(), reason="`auto` takes the kernel only with AMX tiles")
-@pytest.mark.parametrize("stacked, amx", [(False, True), (True, True), (True, False)],
-                         ids=["one-layer", "stacked", "stacked-scalar"])
+def dots_served(dot_dtype) -> bool:
+    """Whether `auto` takes the kernel for rows of this dot dtype on this CPU."""
+    return attend.unsupported(dot_dtype, 64, None) is None
+
+
+@pytest.mark.parametrize("stacked, dots", [(False, "amx"), (True, "amx"), (True, "scalar"), (False, "float32"),
+                                           (True, "float32")],
+                         ids=["one-layer", "stacked", "stacked-scalar", "one-layer-f32", "stacked-f32"])
 @pytest.mark.parametrize("case", STORE_CASES, ids=[f"k{c[0]}v{c[1]}-g{c[2]}/{c[3]}-d{c[4]}-w{c[8]}-s{c[9]}"
                                                     for c in STORE_CASES])
-def test_a_chunk_over_a_kivi_store_in_one_call_equals_the_segments(case, stacked, amx, monkeypatch):
-    """`attend_kivi_xla` of bfloat16 rows on an AMX CPU: one kernel call reads the stores in place (the tokens whose
-    key and value are quantized, past the sinks), then the sinks, the ring (the last flushed key block where a token
-    is in both) and the new tokens; the XLA path's walk, a segment at a time, is its twin. Lengths and new tokens
-    that are multiples of no block, an empty sequence, windows, sinks, 2-, 4- and 8-bit codes, three scale dtypes;
-    the kernel's AMX tiles and its scalar path."""
+def test_a_chunk_over_a_kivi_store_in_one_call_equals_the_segments(case, stacked, dots, monkeypatch):
+    """`attend_kivi_xla` of bfloat16 rows on an AMX CPU, or of float32 rows on an AVX-512 CPU: one kernel call reads
+    the stores in place (the tokens whose key and value are quantized, past the sinks), then the sinks, the ring (the
+    last flushed key block where a token is in both) and the new tokens; the XLA path's walk, a segment at a time, is
+    its twin. Lengths and new tokens that are multiples of no block, an empty sequence, windows, sinks, 2-, 4- and
+    8-bit codes, three scale dtypes; the kernel's AMX tiles, its scalar path and its float32 tiles."""
+    amx, dot_dtype = DOTS[dots]
+    if not dots_served(dot_dtype):
+        pytest.skip(f"`auto` does not take the kernel here: {attend.unsupported(dot_dtype, 64, None)}")
     if not amx:
         real = attend.segment
         monkeypatch.setattr(attend, "segment", lambda *a, **k: real(*a, **{**k, "amx": False}))
@@ -173,7 +195,7 @@ def test_a_chunk_over_a_kivi_store_in_one_call_equals_the_segments(case, stacked
     tokens = max(new)
     num_new = jnp.asarray(new, jnp.int32)
     positions = length[:, None] + jnp.arange(tokens)[None, :]
-    q = jnp.asarray(rng.standard_normal((batch, tokens, heads * n_rep, head_dim)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((batch, tokens, heads * n_rep, head_dim)), dot_dtype)
     k_new, v_new = (jnp.asarray(rng.standard_normal((batch, tokens, heads, head_dim)), jnp.float32) for _ in range(2))
 
     def attend_with(impl):
@@ -186,8 +208,7 @@ def test_a_chunk_over_a_kivi_store_in_one_call_equals_the_segments(case, stacked
     want = np.asarray(attend_with("xla")(q, k_store, v_store), np.float32)
     got = np.asarray(attend_with("auto")(q, k_store, v_store), np.float32)
     real_rows = np.arange(tokens)[None, :] < np.asarray(new)[:, None]  # padded new tokens: no answer asked
-    np.testing.assert_allclose(got[real_rows], want[real_rows], atol=3e-2)
-    assert np.mean(np.abs(got[real_rows] - want[real_rows])) < 3e-3
+    close(got[real_rows], want[real_rows], dot_dtype, atol=3e-2, mean=3e-3)
     assert np.abs(want[real_rows]).mean() > 0.05  # the outputs are not all near zero
 
 
@@ -202,10 +223,13 @@ def test_the_kernel_refuses_a_store_it_does_not_read():
 
 
 def test_the_kernel_refuses_what_it_does_not_serve():
-    assert attend.unsupported(jnp.float32, 64, None) is not None  # float32 rows: XLA's dot
+    assert attend.unsupported(jnp.float16, 64, None) is not None  # float16 rows: XLA's dot
     assert attend.unsupported(jnp.bfloat16, 64, 50.0) is not None  # a soft-cap
+    assert attend.unsupported(jnp.float32, 64, 50.0) is not None
     assert attend.unsupported(jnp.bfloat16, 48, None) is not None  # head_dim not a multiple of 32
+    assert attend.unsupported(jnp.float32, 288, None) is not None  # past the kernel's 256
     assert (attend.unsupported(jnp.bfloat16, 64, None) is None) == build.has_amx()
+    assert (attend.unsupported(jnp.float32, 64, None) is None) == build.has_avx512()
 
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=6, num_kv_heads=2,
@@ -242,7 +266,7 @@ def test_a_bfloat16_chunked_prefill_gives_the_xla_paths_logits(cfg, monkeypatch)
     for spec in ("k2v2-g32-r32", "full"):
         jax.clear_caches()
         xla = chunked_prefill(params, spec, "xla", prompts)
-        ref = chunked_prefill(exact, spec, "auto", prompts)  # float32 rows: XLA's path
+        ref = chunked_prefill(exact, spec, "xla", prompts)  # the same model in float32
         assert not calls
         jax.clear_caches()
         out = chunked_prefill(params, spec, "auto", prompts)
@@ -252,6 +276,63 @@ def test_a_bfloat16_chunked_prefill_gives_the_xla_paths_logits(cfg, monkeypatch)
         assert bf16_moves > 0.01
         assert np.abs(out - xla).max() < 0.5 * bf16_moves
         assert np.abs(out - ref).max() < 1.25 * bf16_moves
+
+
+@pytest.mark.skipif(not build.has_avx512(), reason="`auto` takes the float32 kernel only with AVX-512")
+@pytest.mark.parametrize("cfg", [CFG, WINDOW], ids=["gqa", "window"])
+def test_a_float32_chunked_prefill_gives_the_xla_paths_logits(cfg, monkeypatch):
+    """Prompts of 150 and 77 tokens in chunks of 48 of a float32 model, KIVI and full: the kernel (float32 tiles)
+    gives the XLA path's logits to float32's rounding of sums in another order."""
+    calls = []
+    real = attend.segment
+    monkeypatch.setattr(attend, "segment", lambda *a, **k: calls.append(k["dot_dtype"]) or real(*a, **k))
+    params = init_params(cfg, jax.random.PRNGKey(1), std=0.2)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (150, 77)]
+    for spec in ("k2v2-g32-r32", "full"):
+        jax.clear_caches()
+        xla = chunked_prefill(params, spec, "xla", prompts)
+        assert not calls
+        out = chunked_prefill(params, spec, "auto", prompts)
+        assert calls and set(calls) == {jnp.float32}  # the kernel was traced into the chunk program, in float32
+        calls.clear()
+        assert np.abs(xla).max() > 1.0
+        np.testing.assert_allclose(out, xla, atol=2e-4)
+
+
+@pytest.mark.skipif(not build.has_avx512(), reason="`auto` takes the float32 kernel only with AVX-512")
+def test_a_short_float32_chunk_over_a_kivi_cache_stays_on_xlas_path():
+    """A chunk of few rows (10 tokens x 3 query heads a kv head, under `attention.DEQUANTIZE_ROWS`) over a KIVI cache
+    folds the scales into q and p on XLA's path, as a decode step does; a chunk of many rows takes the kernel. Both
+    give the XLA path's logits."""
+    params = init_params(CFG, jax.random.PRNGKey(5), std=0.2)
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(3, 128, 100)
+    for tokens, kernel in ((10, False), (40, True)):
+        cache = make_cache("kivi2", CFG, batch=1, max_tokens=256)
+        _, cache = runtime.prefill(params, prompt[None, :90].astype(np.int32), np.array([90], np.int32), cache, 64)
+        assert 3 * tokens < attention.DEQUANTIZE_ROWS or kernel
+        chunk = jnp.asarray(rng.integers(3, 128, (1, tokens)), jnp.int32)
+        # (the chunk's call donates its cache: each gets a copy)
+        run = lambda impl: runtime.prefill_chunk(  # noqa: E731
+            params, chunk, jnp.full((1,), tokens, jnp.int32), jax.tree.map(jnp.copy, cache).replace(impl=impl),
+            jnp.zeros((1, 128), jnp.float32), jnp.full((1,), tokens - 1, jnp.int32))[0]
+        text = jax.jit(run, static_argnums=0).trace("auto").lower().as_text()
+        assert ("kivi_jax_chunk_attend" in text) == kernel
+        want, got = np.asarray(run("xla")), np.asarray(run("auto"))
+        assert np.abs(want).max() > 1.0
+        np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+@pytest.mark.skipif(not build.has_avx512(), reason="`auto` takes the float32 kernel only with AVX-512")
+def test_generate_in_float32_through_the_kernel_gives_the_xla_greedy_tokens():
+    params = init_params(CFG, jax.random.PRNGKey(3), std=0.2)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (90, 33)]
+    kw = dict(max_new_tokens=12, cache="kivi2", stop_at_eos=False, prefill_chunk=32)
+    xla = kivi_jax.generate(params, prompts, attention_impl="xla", **kw).token_ids
+    out = kivi_jax.generate(params, prompts, attention_impl="auto", **kw).token_ids
+    assert out == xla
 
 
 @pytest.mark.skipif(not build.has_amx(), reason="`auto` takes the kernel only with AMX tiles")
@@ -276,3 +357,8 @@ def test_a_program_lowered_for_a_gpu_keeps_the_xla_path():
     if build.has_amx():
         cpu = runtime.prefill_chunk.trace(*args).lower().as_text()
         assert "kivi_jax_chunk_attend" in cpu
+    exact = init_params(CFG, jax.random.PRNGKey(1), std=0.2)  # float32: the kernel's float32 tiles on the CPU
+    args = (exact, *args[1:])
+    traced = runtime.prefill_chunk.trace(*args)
+    assert "kivi_jax_chunk_attend" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert ("kivi_jax_chunk_attend" in traced.lower().as_text()) == build.has_avx512()

@@ -1,5 +1,5 @@
 """A prefill chunk's attention segment in the native CPU kernel (`attend_cpu.cc`, through `jax.ffi.ffi_call`): its
-contract and pure-jnp twin are `kivi_jax.attention.segment`'s XLA path with bfloat16 dots.
+contract and pure-jnp twin are `kivi_jax.attention.segment`'s XLA path with bfloat16 dots, or float32 ones.
 """
 
 from __future__ import annotations
@@ -12,16 +12,18 @@ from kivi_jax.native import build
 
 
 def unsupported(dot_dtype, head_dim: int, softcap) -> str | None:
-    """Why the kernel cannot add a segment for these rows, or None: it dots in bfloat16 with AMX tiles, over head
-    dims a multiple of 32, without soft-capping."""
-    if dot_dtype != jnp.bfloat16:
-        return "the kernel dots bfloat16 rows (a float32 chunk takes XLA's dot)"
+    """Why the kernel cannot add a segment for these rows, or None: it dots in bfloat16 with AMX tiles, or in
+    float32 with AVX-512 registers, over head dims a multiple of 32 up to 256, without soft-capping."""
+    if dot_dtype not in (jnp.bfloat16, jnp.float32):
+        return f"the kernel dots bfloat16 or float32 rows, not {jnp.dtype(dot_dtype).name}"
     if softcap is not None:
         return "the kernel does not soft-cap attention logits"
-    if head_dim % 32:
-        return f"head_dim {head_dim} is not a multiple of 32"
-    if not build.has_amx():
+    if head_dim % 32 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 32 up to 256"
+    if dot_dtype == jnp.bfloat16 and not build.has_amx():
         return "this CPU has no AMX tiles (the kernel's scalar path is for tests)"
+    if dot_dtype == jnp.float32 and not build.has_avx512():
+        return "this CPU has no AVX-512 (the kernel's float32 tiles are measured there only): XLA's dot serves"
     return None
 
 
@@ -65,7 +67,8 @@ def _store_operands(store, batch: int) -> tuple[list, dict]:
 
 
 def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: bool, amx: bool = True,
-            scale: float = 1.0, kv_tokens_first: bool = False, store=None, finish: bool = False):
+            scale: float = 1.0, kv_tokens_first: bool = False, store=None, finish: bool = False,
+            dot_dtype=jnp.bfloat16):
     """Adds keys and values `k, v [B, H, T, D]` (`[B, T, H, D]` with `kv_tokens_first`) at `k_pos [B or 1, T]`
     (those with `k_ok [B or 1, T]`) to the online softmax `(m, l [B, Tq, Hq], acc [B, Tq, Hq, D])` of the queries
     `q [B, Tq, Hq, D]` (float32 or bfloat16, times `scale` before their rounding to bfloat16) at `q_pos [B, Tq]`;
@@ -74,8 +77,9 @@ def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: 
     `store = (k_store, v_store, layer, begin, end)`: a KIVI cache's stores (`unsupported_store` says which; stacked
     `[layers, ...]` and read in place at `layer`, or one layer with None) whose tokens `[begin, end[b])`, at their
     index as position, come first, each dequantized as `attention.dequantized` does. Returns the new `(m, l, acc)`,
-    with `finish` the normalized attention `acc / l` (`attention.Softmax.result`) as acc. `amx=False`: the kernel's
-    scalar path (tests)."""
+    with `finish` the normalized attention `acc / l` (`attention.Softmax.result`) as acc. `dot_dtype`: q, k, p and v
+    rounded to bfloat16 before their products (AMX tiles; `amx=False`: the kernel's scalar path, for tests), or
+    float32 throughout (AVX-512 tiles)."""
     if build.load() is None:
         raise build.NativeBuildError(f"the native kernels are unavailable: {build.error()}")
     batch = q.shape[0]
@@ -94,4 +98,4 @@ def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: 
     return call(q, q_pos.astype(jnp.int32), f32(k), f32(v), i32(k_pos), i32(k_ok), *store_ops, f32(m), f32(l),
                 f32(acc), window=np.int64(window or 0), causal=np.int64(causal), amx=np.int64(amx),
                 scale=np.float32(scale), kv_tokens_first=np.int64(kv_tokens_first), fresh=np.int64(fresh),
-                finish=np.int64(finish), **store_attrs)
+                finish=np.int64(finish), f32=np.int64(jnp.dtype(dot_dtype) == jnp.float32), **store_attrs)

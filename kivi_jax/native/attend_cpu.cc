@@ -17,8 +17,14 @@
 // acc^T += V^T P^T in AMX tiles onto the item's float32 accumulator (channels by rows). Keys (row-major) and values
 // (transposed) are packed as bfloat16 once a call. Without AMX (or with amx=0) the dots run scalar loops (tests,
 // other CPUs).
+//
+// With `f32` the contract is the XLA path with float32 dots instead (a float32 chunk on a CPU without AMX): q, k, p
+// and v stay float32, keys packed row-major and values transposed in float32, and both products run `axpy_tile`'s
+// register tiles (gemm.h): S^T = K Q^T with the keys as its rows and Q^T [D][ROWS] as its weights, acc^T += V^T P^T
+// with the channels as its rows and P^T [KEYS][ROWS] (the scores' buffer, overwritten) as its weights.
 
 #include "amx.h"
+#include "gemm.h"
 #include "simd.h"
 
 namespace {
@@ -30,6 +36,8 @@ constexpr int64_t TILE = 512;  // bfloat16s a packed tile (16 rows of 32)
 // than this, so that the accumulator is rarely rescaled; probabilities stay below e^RESCALE (bfloat16 rounds them
 // relatively: no precision is lost), and acc / l, what the softmax is, does not depend on m.
 constexpr float RESCALE = 8.f;
+constexpr int F32_NV = ROWS / W;          // vectors of rows a float32 tile holds (2 on AVX-512)
+constexpr int F32_MR = W == 16 ? 12 : 3;  // keys (or channels) a float32 tile holds: 24 accumulators (12 on AVX2)
 
 // One layer of a KIVI cache's stores (contiguous, uniform codes, keys after RoPE): keys per-channel (codes
 // [L, B, H, Tc, D k_bits / 8], scale and min [L, B, H, Tc / k_group, D]), values per-token (codes [L, B, H, Tc,
@@ -86,6 +94,7 @@ struct Segment {
   int64_t Tq, Hq, n_rep;  // query tokens and heads: row r of kv head h is token r / n_rep's head h n_rep + r % n_rep
   float scale;  // the queries' scale (1/sqrt(head_dim)), applied before their rounding to bfloat16
   bool causal, amx, q_bf16, kv_tokens_first;
+  bool f32 = false;     // float32 dots (q, k, p and v not rounded to bfloat16), the packs kf and vtf
   bool fresh = false;   // every row starts from nothing seen (m = -inf, l = 0, acc = 0): the state is not read
   bool finish = false;  // acc comes out normalized, acc / l (0 where a row saw nothing)
   const void* q;
@@ -99,6 +108,8 @@ struct Segment {
   // keys and values of (b, h), bfloat16, zero past T: kp [T'][D] row-major (T' = steps * KEYS); vt in blocks j of 32
   // keys and c of 16 channels, vt[(j * (D / 16) + c) * TILE + dd * 32 + n] = v[32 j + n][16 c + dd]
   uint16_t *kp, *vt;
+  // with f32, of (b, h): kf [T'][D] row-major, vtf [D][T'] (zero past T)
+  float *kf = nullptr, *vtf = nullptr;
   // per (b, step): which of its keys are ok (bit n: key KEYS s + n), and the least and greatest position among them
   std::vector<uint64_t> ok_bits;
   std::vector<int32_t> lo, hi;
@@ -137,14 +148,16 @@ struct Segment {
 // One item's working set: its rows' bfloat16 queries (row-major, and for AMX as B tiles: qt[(g * (D / 32) + c) *
 // TILE + kk * 32 + n * 2 + e] = q[16 g + n][32 c + 2 kk + e]), the step's scores S^T [KEYS][ROWS], its
 // probabilities as B tiles pt[(g * 2 + jq) * TILE + kk * 32 + n * 2 + e] = p[row 16 g + n][key 32 jq + 2 kk + e],
-// and the accumulator acc^T [D][ROWS].
+// and the accumulator acc^T [D][ROWS]. With f32: the queries as Q^T [D][ROWS] in float32 (qtf), the probabilities
+// in place of the scores in st.
 struct Item {
   line_vector<uint16_t> qb, qt, pt;  // (every buffer a tile reads starts on a cache line)
-  line_vector<float> st, acct;
+  line_vector<float> st, acct, qtf;
   alignas(64) float m[ROWS], l[ROWS];
   alignas(64) int32_t qpos[ROWS];
   explicit Item(int64_t D)
-      : qb(ROWS * D, 0), qt(ROWS * D, 0), pt(4 * TILE, 0), st(KEYS * ROWS, 0.f), acct(D * ROWS, 0.f) {}
+      : qb(ROWS * D, 0), qt(ROWS * D, 0), pt(4 * TILE, 0), st(KEYS * ROWS, 0.f), acct(D * ROWS, 0.f),
+        qtf(D * ROWS, 0.f) {}
 };
 
 #if KIVI_AMX && defined(__AVX512BF16__)
@@ -202,6 +215,37 @@ void pack(Segment& a, int64_t bh) {
 }
 #endif
 
+// (b, h)'s keys and values for float32 dots: kf [T'][D] as they are, vtf [D][T'] transposed (16 x 16 blocks in
+// registers), zero past T and for a store token not ok.
+void pack_f32(Segment& a, int64_t bh) {
+  const int64_t D = a.D, Tp = a.steps * KEYS;
+  float* kf = a.kf + bh * a.packed();
+  float* vt = a.vtf + bh * a.packed();
+  thread_local line_vector<float> buf;  // 16 store keys and values, dequantized
+  if ((int64_t)buf.size() < 32 * D) buf.resize(32 * D);
+  const float *kr[16], *vr[16];
+  for (int64_t t0 = 0; t0 < Tp; t0 += 16) {
+    for (int64_t n = 0; n < 16; ++n) a.rows_at(bh, t0 + n, &buf[n * D], &buf[(16 + n) * D], kr[n], vr[n]);
+    for (int64_t n = 0; n < 16; ++n) {
+      if (kr[n])
+        std::memcpy(kf + (t0 + n) * D, kr[n], D * sizeof(float));
+      else
+        std::memset(kf + (t0 + n) * D, 0, D * sizeof(float));
+    }
+#if defined(__AVX512F__)
+    for (int64_t c = 0; c < D; c += 16) {
+      __m512i r[16];  // r[n]: key t0 + n's channels c..; transposed, r[dd]: channel c + dd of the 16 keys
+      for (int64_t n = 0; n < 16; ++n) r[n] = vr[n] ? _mm512_loadu_si512(vr[n] + c) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(vt + (c + dd) * Tp + t0, r[dd]);
+    }
+#else
+    for (int64_t n = 0; n < 16; ++n)
+      for (int64_t d = 0; d < D; ++d) vt[d * Tp + t0 + n] = vr[n] ? vr[n][d] : 0.f;
+#endif
+  }
+}
+
 void key_steps(Segment& a, int64_t b) {
   for (int64_t s = 0; s < a.steps; ++s) {
     uint64_t bits = 0;
@@ -245,6 +289,33 @@ void values_scalar(const Segment& a, Item& it, const uint16_t* vt, int64_t s) {
       }
       it.acct[d * ROWS + i] += sum;
     }
+}
+
+// A float32 tile of MR keys (or channels) by the ROWS rows, `axpy_tile` (gemm.h) for mr = MR..1 rows.
+template <bool ADD, int... MRs>
+AxpyFn f32_tile(int mr, std::integer_sequence<int, MRs...>) {
+  AxpyFn fns[] = {axpy_tile<MRs + 1, F32_NV, ADD>...};
+  return fns[mr - 1];
+}
+
+// S^T [KEYS][ROWS] of step s in float32: the step's keys (kf) against Q^T (qtf)
+void scores_f32(const Segment& a, const Item& it, const float* kf, int64_t s, float* st) {
+  const int64_t D = a.D;
+  for (int64_t n = 0; n < KEYS; n += F32_MR) {
+    const int mr = (int)std::min<int64_t>(F32_MR, KEYS - n);
+    f32_tile<false>(mr, std::make_integer_sequence<int, F32_MR>{})(kf + (s * KEYS + n) * D, D, it.qtf.data(), ROWS,
+                                                                   D, st + n * ROWS, ROWS, nullptr, 0, 1);
+  }
+}
+
+// acc^T [D][ROWS] += V^T P^T of step s in float32 (the probabilities P^T [KEYS][ROWS] in `it.st`)
+void values_f32(const Segment& a, Item& it, const float* vt, int64_t s) {
+  const int64_t D = a.D, Tp = a.steps * KEYS;
+  for (int64_t d = 0; d < D; d += F32_MR) {
+    const int mr = (int)std::min<int64_t>(F32_MR, D - d);
+    f32_tile<true>(mr, std::make_integer_sequence<int, F32_MR>{})(vt + d * Tp + s * KEYS, Tp, it.st.data(), ROWS,
+                                                                  KEYS, it.acct.data() + d * ROWS, ROWS, nullptr, 0, 1);
+  }
 }
 
 #if KIVI_AMX
@@ -323,7 +394,8 @@ inline __m512 exp_small(__m512 x) {
 }
 
 // The online-softmax update of rows [16 g, 16 g + 16) by step s's scores (S^T in `it.st`), a key at a time down the
-// rows' lanes: their max, the rescale of their sums and accumulators, the probabilities into the B tiles `it.pt`.
+// rows' lanes: their max, the rescale of their sums and accumulators, the probabilities into the B tiles `it.pt`
+// (with f32: in float32 over their scores in `it.st`).
 // `seen`: the step's ok keys; `kq` their positions.
 inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint64_t seen, const int32_t* kq) {
   const __m512i qv = _mm512_load_si512(it.qpos + 16 * g);
@@ -358,6 +430,11 @@ inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint
       p[e] = _mm512_maskz_mov_ps(on[n + e], exp_small(_mm512_sub_ps(_mm512_loadu_ps(&it.st[(n + e) * ROWS + 16 * g]),
                                                                     m_new)));
     sum[n / 2 % 2] = _mm512_add_ps(sum[n / 2 % 2], _mm512_add_ps(p[0], p[1]));
+    if (a.f32) {
+      _mm512_storeu_ps(&it.st[n * ROWS + 16 * g], p[0]);
+      _mm512_storeu_ps(&it.st[(n + 1) * ROWS + 16 * g], p[1]);
+      continue;
+    }
     // B tile row kk = (n % 32) / 2 of block n / 32: word i = (p[key n][row i], p[key n + 1][row i])
     uint16_t* row = it.pt.data() + (g * 2 + n / 32) * TILE + (n % 32 / 2) * 32;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -393,7 +470,10 @@ inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint
     for (int64_t n = 0; n < KEYS; ++n) {
       const float p = on[n] ? std::exp(it.st[n * ROWS + i] - m_new) : 0.f;
       sum += p;
-      it.pt[(i / 16 * 2 + n / 32) * TILE + (n % 32 / 2) * 32 + (i % 16) * 2 + n % 2] = bf16_bits(p);
+      if (a.f32)
+        it.st[n * ROWS + i] = p;
+      else
+        it.pt[(i / 16 * 2 + n / 32) * TILE + (n % 32 / 2) * 32 + (i % 16) * 2 + n % 2] = bf16_bits(p);
     }
     it.l[i] = it.l[i] * alpha + sum;
     it.m[i] = m_new;
@@ -404,7 +484,8 @@ inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint
 #endif
 
 // The item's rows r0 + [0, nr) of (b, h) into its working set: their queries scaled and rounded to bfloat16
-// (row-major for the scalar dots, B tiles for AMX; zero past nr) and their accumulators transposed.
+// (row-major for the scalar dots, B tiles for AMX; zero past nr), or with f32 transposed in float32, and their
+// accumulators transposed.
 void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a.D;
   alignas(64) float qf[32];
@@ -441,9 +522,13 @@ void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       if (i < nr) a.query(b, h, r0 + i, d0, qf);
       for (int64_t d = d0; d < d0 + 32; ++d) {
-        const uint16_t x = i < nr ? bf16_bits(qf[d - d0]) : 0;
-        it.qb[i * D + d] = x;
-        it.qt[((i / 16) * (D / 32) + d / 32) * TILE + (d % 32 / 2) * 32 + (i % 16) * 2 + d % 2] = x;
+        if (a.f32) {
+          it.qtf[d * ROWS + i] = i < nr ? qf[d - d0] : 0.f;
+        } else {
+          const uint16_t x = i < nr ? bf16_bits(qf[d - d0]) : 0;
+          it.qb[i * D + d] = x;
+          it.qt[((i / 16) * (D / 32) + d / 32) * TILE + (d % 32 / 2) * 32 + (i % 16) * 2 + d % 2] = x;
+        }
         it.acct[d * ROWS + i] = i < nr && !a.fresh ? a.acc[a.row(b, h, r0 + i) * D + d] : 0.f;
       }
     }
@@ -493,8 +578,10 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
     qhi = std::max(qhi, it.qpos[i]);
   }
   load_rows(a, it, b, h, r0, nr);
-  const uint16_t* kp = a.kp + bh * a.packed();
-  const uint16_t* vt = a.vt + bh * a.packed();
+  const uint16_t* kp = a.f32 ? nullptr : a.kp + bh * a.packed();
+  const uint16_t* vt = a.f32 ? nullptr : a.vt + bh * a.packed();
+  const float* kf = a.f32 ? a.kf + bh * a.packed() : nullptr;
+  const float* vtf = a.f32 ? a.vtf + bh * a.packed() : nullptr;
   const int32_t* kpos = a.k_pos + b * a.T;
 #if KIVI_AMX
   if (a.amx) load_square_tiles();
@@ -504,21 +591,25 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
     if (!ok) continue;
     if (a.causal && a.lo[b * a.steps + s] > qhi) continue;  // every key after every row
     if (a.window && (int64_t)qlo - a.hi[b * a.steps + s] >= a.window) continue;  // every key out of every window
+    if (a.f32)
+      scores_f32(a, it, kf, s, it.st.data());
 #if KIVI_AMX
-    if (a.amx)
+    else if (a.amx)
       scores_amx(a, it, kp, s, it.st.data());
-    else
 #endif
+    else
       scores_scalar(a, it, kp, s, it.st.data());
     int32_t kq[KEYS];  // the step's key positions (past T: never ok)
     for (int64_t n = 0; n < KEYS; ++n) kq[n] = s * KEYS + n < a.T ? kpos[s * KEYS + n] : 0;
     softmax_rows(a, it, 0, nr, ok, kq);
     softmax_rows(a, it, 1, nr, ok, kq);
+    if (a.f32)
+      values_f32(a, it, vtf, s);
 #if KIVI_AMX
-    if (a.amx)
+    else if (a.amx)
       values_amx(a, it, vt, s);
-    else
 #endif
+    else
       values_scalar(a, it, vt, s);
   }
 #if KIVI_AMX
@@ -536,7 +627,7 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
                            ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> l_out,
                            ffi::ResultBuffer<ffi::F32> acc_out, int64_t window, int64_t causal, int64_t amx,
                            float scale, int64_t kv_tokens_first, int64_t k_bits, int64_t v_bits, int64_t k_group,
-                           int64_t v_group, int64_t store_begin, int64_t fresh, int64_t finish) {
+                           int64_t v_group, int64_t store_begin, int64_t fresh, int64_t finish, int64_t f32) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("chunk_attend: q, k must be 4-d");
   if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16)
@@ -597,8 +688,9 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
   a.steps = (a.T + KEYS - 1) / KEYS;
   a.window = window > 0 ? window : 0;
   a.causal = causal != 0;
+  a.f32 = f32 != 0;
 #if KIVI_AMX
-  a.amx = amx != 0 && amx_allowed();
+  a.amx = amx != 0 && !a.f32 && amx_allowed();
 #else
   a.amx = false;
 #endif
@@ -626,15 +718,18 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
   // packed keys and values: this thread's buffers, kept between calls (a fresh one costs its page faults), every
   // word of a packed (b, h) written by `pack`
   thread_local line_vector<uint16_t> kp, vt;
-  if (kp.size() < (size_t)(a.B * a.H * a.packed())) kp.resize(a.B * a.H * a.packed()), vt.resize(kp.size());
-  a.kp = kp.data(), a.vt = vt.data();
+  thread_local line_vector<float> kf, vtf;
+  const size_t packed = a.B * a.H * a.packed();
+  if (a.f32 && kf.size() < packed) kf.resize(packed), vtf.resize(packed);
+  if (!a.f32 && kp.size() < packed) kp.resize(packed), vt.resize(packed);
+  a.kp = kp.data(), a.vt = vt.data(), a.kf = kf.data(), a.vtf = vtf.data();
   a.ok_bits.assign(a.B * a.steps, 0);
   a.lo.assign(a.B * a.steps, 0);
   a.hi.assign(a.B * a.steps, 0);
   for (int64_t b = 0; b < a.B; ++b) key_steps(a, b);
   parallel_for(pool, a.B * a.H, [&](int64_t bh) {  // a sequence none of whose keys is ok needs none packed
     const uint64_t* bits = &a.ok_bits[bh / a.H * a.steps];
-    if (std::any_of(bits, bits + a.steps, [](uint64_t x) { return x != 0; })) pack(a, bh);
+    if (std::any_of(bits, bits + a.steps, [](uint64_t x) { return x != 0; })) a.f32 ? pack_f32(a, bh) : pack(a, bh);
   });
   const int64_t tiles = (a.R + ROWS - 1) / ROWS;
   parallel_for(pool, a.B * a.H * tiles, [&](int64_t i) {
@@ -680,4 +775,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxChunkAttend, ChunkAttendImpl,
                                   .Attr<int64_t>("v_group")
                                   .Attr<int64_t>("store_begin")
                                   .Attr<int64_t>("fresh")
-                                  .Attr<int64_t>("finish"));
+                                  .Attr<int64_t>("finish")
+                                  .Attr<int64_t>("f32"));

@@ -67,6 +67,11 @@ def has_amx() -> bool:
     return "amx_bf16" in flags and "amx_tile" in flags
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 F (what the float32 chunk attention's tiles are measured on)."""
+    return "avx512f" in cpu_features().split()
+
+
 def compiler() -> str:
     """The C++ compiler to use: `$CXX` as given (it may not exist: then the build fails and says so), else g++/c++."""
     env = os.environ.get(CXX_ENV)

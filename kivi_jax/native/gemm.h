@@ -24,11 +24,12 @@ constexpr int DOT_MR = 4, DOT_NR = 4;    // 16 accumulators
 constexpr int AXPY_MR = 4, AXPY_NV = 2;  // 8 accumulators of the 16 registers
 constexpr int DOT_MR = 3, DOT_NR = 3;    // 9 accumulators
 #endif
-// y[i, j] = sum_c x[i, c] w[c, j] for i < MR, j < NV * W: activation rows at stride ldx, weight rows at stride ldw,
-// outputs at stride ldy. `next`: the weights of the next column block (same rows and stride), or null: this tile,
-// the `part`-th of `parts`, requests the lines of that block's rows [C * part / parts, C * (part + 1) / parts) into
-// L2, one row every `parts` steps, so that the next block's first tile finds its weights in cache.
-template <int MR, int NV>
+// y[i, j] = sum_c x[i, c] w[c, j] for i < MR, j < NV * W (`ADD`: y[i, j] += that sum): activation rows at stride
+// ldx, weight rows at stride ldw, outputs at stride ldy. `next`: the weights of the next column block (same rows and
+// stride), or null: this tile, the `part`-th of `parts`, requests the lines of that block's rows [C * part / parts,
+// C * (part + 1) / parts) into L2, one row every `parts` steps, so that the next block's first tile finds its weights
+// in cache.
+template <int MR, int NV, bool ADD = false>
 inline void axpy_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t C, float* y, int64_t ldy,
                       const float* next, int part, int parts) {
   const char* pf = next ? reinterpret_cast<const char*>(next + C * part / parts * ldw) : nullptr;
@@ -38,7 +39,7 @@ inline void axpy_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = ADD ? vload(y + i * ldy + j * W) : vf{};
   for (int64_t c = 0; c < C; ++c) {
     const float* wc = w + c * ldw;
     if (pf && --countdown <= 0 && pf < pf_end) {
