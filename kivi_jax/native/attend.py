@@ -71,7 +71,7 @@ def segment(m, l, acc, q, q_pos, k, v, k_pos, k_ok, window: int | None, causal: 
             dot_dtype=jnp.bfloat16):
     """Adds keys and values `k, v [B, H, T, D]` (`[B, T, H, D]` with `kv_tokens_first`) at `k_pos [B or 1, T]`
     (those with `k_ok [B or 1, T]`) to the online softmax `(m, l [B, Tq, Hq], acc [B, Tq, Hq, D])` of the queries
-    `q [B, Tq, Hq, D]` (float32 or bfloat16, times `scale` before their rounding to bfloat16) at `q_pos [B, Tq]`;
+    `q [B, Tq, Hq, D]` (float32 or bfloat16, times `scale` before any rounding to bfloat16) at `q_pos [B, Tq]`;
     query head `h * n_rep + r` reads kv head `h`. `m = l = acc = None`: the rows start from nothing seen, and no state
     is read. A key counts when ok, at or before the query (`causal`) and inside its `window` (None: none).
     `store = (k_store, v_store, layer, begin, end)`: a KIVI cache's stores (`unsupported_store` says which; stacked

@@ -18,10 +18,10 @@
 // (transposed) are packed as bfloat16 once a call. Without AMX (or with amx=0) the dots run scalar loops (tests,
 // other CPUs).
 //
-// With `f32` the contract is the XLA path with float32 dots instead (a float32 chunk on a CPU without AMX): q, k, p
-// and v stay float32, keys packed row-major and values transposed in float32, and both products run `axpy_tile`'s
-// register tiles (gemm.h): S^T = K Q^T with the keys as its rows and Q^T [D][ROWS] as its weights, acc^T += V^T P^T
-// with the channels as its rows and P^T [KEYS][ROWS] (the scores' buffer, overwritten) as its weights.
+// With `f32` the contract is the XLA path with float32 dots instead (a float32 chunk): q, k, p and v stay float32,
+// keys packed row-major and values transposed in float32, and both products run `axpy_tile`'s register tiles
+// (gemm.h): S^T = K Q^T with the keys as its rows and Q^T [D][ROWS] as its weights, acc^T += V^T P^T with the
+// channels as its rows and P^T [KEYS][ROWS] (the scores' buffer, overwritten) as its weights.
 
 #include "amx.h"
 #include "gemm.h"
@@ -37,7 +37,7 @@ constexpr int64_t TILE = 512;  // bfloat16s a packed tile (16 rows of 32)
 // relatively: no precision is lost), and acc / l, what the softmax is, does not depend on m.
 constexpr float RESCALE = 8.f;
 constexpr int F32_NV = ROWS / W;          // vectors of rows a float32 tile holds (2 on AVX-512)
-constexpr int F32_MR = W == 16 ? 12 : 3;  // keys (or channels) a float32 tile holds: 24 accumulators (12 on AVX2)
+constexpr int F32_MR = W == 16 ? 12 : 2;  // keys (or channels) a float32 tile holds: 24 accumulators (8 on AVX2)
 
 // One layer of a KIVI cache's stores (contiguous, uniform codes, keys after RoPE): keys per-channel (codes
 // [L, B, H, Tc, D k_bits / 8], scale and min [L, B, H, Tc / k_group, D]), values per-token (codes [L, B, H, Tc,
