@@ -324,20 +324,12 @@ def test_a_short_float32_chunk_over_a_kivi_cache_stays_on_xlas_path():
         np.testing.assert_allclose(got, want, atol=2e-4)
 
 
-@pytest.mark.skipif(not build.has_avx512(), reason="`auto` takes the float32 kernel only with AVX-512")
-def test_generate_in_float32_through_the_kernel_gives_the_xla_greedy_tokens():
-    params = init_params(CFG, jax.random.PRNGKey(3), std=0.2)
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(3, 128, n).tolist() for n in (90, 33)]
-    kw = dict(max_new_tokens=12, cache="kivi2", stop_at_eos=False, prefill_chunk=32)
-    xla = kivi_jax.generate(params, prompts, attention_impl="xla", **kw).token_ids
-    out = kivi_jax.generate(params, prompts, attention_impl="auto", **kw).token_ids
-    assert out == xla
-
-
-@pytest.mark.skipif(not build.has_amx(), reason="`auto` takes the kernel only with AMX tiles")
-def test_generate_in_bfloat16_through_the_kernel_gives_the_xla_greedy_tokens():
-    params = cast_params(init_params(CFG, jax.random.PRNGKey(3), std=0.2), jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_generate_through_the_kernel_gives_the_xla_greedy_tokens(dtype):
+    """A float32 model (the kernel's float32 tiles, AVX-512) and a bfloat16 one (AMX tiles)."""
+    if not dots_served(dtype):
+        pytest.skip(f"`auto` does not take the kernel here: {attend.unsupported(dtype, 64, None)}")
+    params = cast_params(init_params(CFG, jax.random.PRNGKey(3), std=0.2), dtype)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, 128, n).tolist() for n in (90, 33)]
     kw = dict(max_new_tokens=12, cache="kivi2", stop_at_eos=False, prefill_chunk=32)
