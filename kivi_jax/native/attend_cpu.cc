@@ -291,20 +291,13 @@ void values_scalar(const Segment& a, Item& it, const uint16_t* vt, int64_t s) {
     }
 }
 
-// A float32 tile of MR keys (or channels) by the ROWS rows, `axpy_tile` (gemm.h) for mr = MR..1 rows.
-template <bool ADD, int... MRs>
-AxpyFn f32_tile(int mr, std::integer_sequence<int, MRs...>) {
-  AxpyFn fns[] = {axpy_tile<MRs + 1, F32_NV, ADD>...};
-  return fns[mr - 1];
-}
-
 // S^T [KEYS][ROWS] of step s in float32: the step's keys (kf) against Q^T (qtf)
 void scores_f32(const Segment& a, const Item& it, const float* kf, int64_t s, float* st) {
   const int64_t D = a.D;
   for (int64_t n = 0; n < KEYS; n += F32_MR) {
     const int mr = (int)std::min<int64_t>(F32_MR, KEYS - n);
-    f32_tile<false>(mr, std::make_integer_sequence<int, F32_MR>{})(kf + (s * KEYS + n) * D, D, it.qtf.data(), ROWS,
-                                                                   D, st + n * ROWS, ROWS, nullptr, 0, 1);
+    axpy_for_rows<F32_NV, false, F32_MR>(mr)(kf + (s * KEYS + n) * D, D, it.qtf.data(), ROWS, D, st + n * ROWS,
+                                             ROWS, nullptr, 0, 1);
   }
 }
 
@@ -313,8 +306,8 @@ void values_f32(const Segment& a, Item& it, const float* vt, int64_t s) {
   const int64_t D = a.D, Tp = a.steps * KEYS;
   for (int64_t d = 0; d < D; d += F32_MR) {
     const int mr = (int)std::min<int64_t>(F32_MR, D - d);
-    f32_tile<true>(mr, std::make_integer_sequence<int, F32_MR>{})(vt + d * Tp + s * KEYS, Tp, it.st.data(), ROWS,
-                                                                  KEYS, it.acct.data() + d * ROWS, ROWS, nullptr, 0, 1);
+    axpy_for_rows<F32_NV, true, F32_MR>(mr)(vt + d * Tp + s * KEYS, Tp, it.st.data(), ROWS, KEYS,
+                                            it.acct.data() + d * ROWS, ROWS, nullptr, 0, 1);
   }
 }
 

@@ -67,20 +67,16 @@ inline void axpy_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 using AxpyFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, const float*, int,
                         int);
 
-template <int NV>
+template <int NV, bool ADD, int... MRs>
+AxpyFn axpy_of(int mr, std::integer_sequence<int, MRs...>) {
+  AxpyFn fns[] = {axpy_tile<MRs + 1, NV, ADD>...};
+  return fns[std::min<int>(mr, sizeof...(MRs)) - 1];
+}
+
+// The tile of `mr` rows (1 .. MAX_MR; more: MAX_MR) by NV vectors.
+template <int NV, bool ADD = false, int MAX_MR = AXPY_MR>
 AxpyFn axpy_for_rows(int mr) {
-  switch (mr) {
-    case 1: return axpy_tile<1, NV>;
-    case 2: return axpy_tile<2, NV>;
-    case 3: return axpy_tile<3, NV>;
-#if defined(__AVX512F__)
-    case 4: return axpy_tile<4, NV>;
-    case 5: return axpy_tile<5, NV>;
-    default: return axpy_tile<6, NV>;
-#else
-    default: return axpy_tile<4, NV>;
-#endif
-  }
+  return axpy_of<NV, ADD>(mr, std::make_integer_sequence<int, MAX_MR>{});
 }
 
 // Output units [r0, r1) of y [N, R] = x [N, C] W [C, R] (W row by row, R its row stride): column blocks of AXPY_NV
