@@ -418,7 +418,7 @@ def add_eval_parser(sub) -> None:
                    help=f"comma-separated cache specs (default {EVAL_DEFAULT_CACHES}); the grammar is below")
     p.add_argument("--prefill-precision", choices=PREFILL_PRECISIONS, default="float32",
                    help="the operands of the prefill's matmuls for every cache but the reference full (default "
-                        "float32; bfloat16: as `serve --prefill-precision bfloat16` prefills)")
+                        "float32; bfloat16 or int8: as `serve --prefill-precision` prefills with them)")
     p.set_defaults(func=cmd_eval_ppl)
 
     a = esub.add_parser(

@@ -143,7 +143,37 @@ class QuantizedMatrix:
         """Why a matmul of `rows` activation rows cannot take the native kernel here, or None when it may."""
         from kivi_jax.native import matmul
 
-        return native_reason(self.impl, lambda: bf16_reason(self.dot_dtype) or matmul.unsupported(self, rows, x_dtype))
+        return native_reason(self.impl, lambda: (None if self.dot_dtype == "int8" else bf16_reason(self.dot_dtype))
+                             or matmul.unsupported(self, rows, x_dtype))
+
+
+def q8_rows(x: jax.Array, group: int):
+    """`x [..., cols]` rounded to int8 in groups of `group` columns, as llama.cpp's Q8 activations: each group's
+    scale d = amax / 127 (amax its largest magnitude) and codes round(x * (127 / amax)) to nearest even -> (codes
+    `[..., groups, G]` int32, d `[..., groups]`, the rounded groups' sums d Σ codes `[..., groups]`)."""
+    g = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // group, group))
+    amax = jnp.max(jnp.abs(g), axis=-1)
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    codes = jnp.round(g * inv[..., None]).astype(jnp.int32)
+    d = amax / 127.0
+    return codes, d, jnp.sum(codes, axis=-1).astype(jnp.float32) * d
+
+
+def q8_dot(x: jax.Array, w: "QuantizedMatrix", out_dtype) -> jax.Array:
+    """`x @ M.T` with x rounded to int8 per group of M's columns (`q8_rows`; a matrix of `dot_dtype='int8'`, a
+    prefill view's): y = Σ_g scale d Σ_c code q (exact integer sums) + Σ_g (mn - offset * scale) d Σ_c q, the
+    dequantized matrix times x rounded. The native kernel's contract (matmul_cpu.cc, AVX512-VNNI)."""
+    codes, scale, mn = w._leaves()
+    c = (_unpack4(codes, w.group) if w.bits == 4 else codes).astype(jnp.int32)
+    c = c.reshape(c.shape[:-1] + (c.shape[-1] // w.group, w.group))  # [rows, groups, G]
+    q, d, sums = q8_rows(x, w.group)  # [..., groups, G], [..., groups], [..., groups]
+    ints = jnp.einsum("...gc,rgc->...rg", q, c, preferred_element_type=jnp.int32)  # [..., rows, groups]
+    scale = scale.astype(jnp.float32)
+    y = jnp.sum(ints.astype(jnp.float32) * (scale * d[..., None, :]), axis=-1)
+    mins = (jnp.zeros_like(scale) if mn is None else mn.astype(jnp.float32)) - w.offset * scale
+    if mn is not None or w.offset:
+        y = y + jnp.einsum("...g,rg->...r", sums, mins)
+    return y.astype(out_dtype)
 
 
 def bf16_reason(dot_dtype: str) -> str | None:
@@ -220,8 +250,8 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
     n = math.prod(lead)
 
     def xla():  # XLA fuses each dequantization into its dot's operand
-        return tuple(bf16_dot(x, w, out_dtype) if w.bits == 16 else
-                     xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
+        return tuple(bf16_dot(x, w, out_dtype) if w.bits == 16 else q8_dot(x, w, out_dtype) if w.dot_dtype == "int8"
+                     else xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
                              w.dot_dtype, out_dtype) for w in ws)
 
     def cpu():
@@ -340,18 +370,39 @@ def native_view(params, impl: str = "auto"):
     return replace_leaves(params, new) if new else params
 
 
-PREFILL_PRECISIONS = ("float32", "bfloat16")
+PREFILL_PRECISIONS = ("float32", "bfloat16", "int8")
+PREFILL_CHOICES = ("auto",) + PREFILL_PRECISIONS  # what the server's flag takes: 'auto' is `auto_prefill_precision`
+
+
+def auto_prefill_precision(params) -> str:
+    """The server's default prefill precision: 'int8' where the params hold 4- or 8-bit matrices and the native kernel
+    takes int8 activations on this CPU (AVX512-VNNI; docs/serving.md measures its speed and its loss), else
+    'float32'."""
+    from kivi_jax.native import matmul
+
+    if jax.default_backend() != "cpu":
+        return "float32"
+    quantized = any(is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0 for _, w, _ in _quantizable(params))
+    return "int8" if quantized and matmul.int8_matmul() else "float32"
 
 
 def prefill_view(params, precision: str = "float32"):
     """`params` whose projections and tables dot a prefill chunk with operands rounded to `precision` (float32
     sums): 'float32' returns them as they are; 'bfloat16' shows float32 weights as `FloatMatrix` and quantized ones
-    as themselves with `dot_dtype='bfloat16'` (views: nothing copied). An approximation, for CPUs whose bfloat16
-    dot is fast (AMX, AVX512-BF16): docs/serving.md measures what it changes."""
+    as themselves with `dot_dtype='bfloat16'` (views: nothing copied), an approximation for CPUs whose bfloat16 dot
+    is fast (AMX, AVX512-BF16); 'int8' rounds the activations of 4- and 8-bit matrices to int8 per group (`q8_dot`,
+    llama.cpp's Q8 activations, AVX512-VNNI's integer dots), other weights as they are. docs/serving.md measures
+    what each changes. 'auto': `auto_prefill_precision`."""
+    if precision == "auto":
+        precision = auto_prefill_precision(params)
     if precision not in PREFILL_PRECISIONS:
         raise ValueError(f"prefill precision {precision!r} is not one of {', '.join(PREFILL_PRECISIONS)}")
     if precision == "float32":
         return params
+    if precision == "int8":
+        new = {name: w.replace(dot_dtype="int8") for name, w, _ in _quantizable(params)
+               if is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0}
+        return replace_leaves(params, new) if new else params
     new = {name: (w.replace(dot_dtype=precision) if is_quantized(w) else
                   FloatMatrix(w, transposed=not table, dot_dtype=precision))
            for name, w, table in _quantizable(params)}

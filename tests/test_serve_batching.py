@@ -291,6 +291,23 @@ def test_a_prompts_later_chunks_reuse_its_first_chunks_program(model):
     assert runtime.prefill_chunk._cache_size() == compiled
 
 
+def test_an_auto_prefill_precision_rounds_quantized_activations_where_the_cpu_has_vnni(model):
+    """`prefill_precision='auto'` (the server's default): int8 activations for quantized weights where the native
+    kernel takes them, the prefill's logits within int8's rounding of the exact engine's; float weights exact."""
+    from kivi_jax.native import matmul
+
+    quantized = kivi_jax.weights.convert_params(model.params, "int8")  # 8-bit codes, a group a row
+    auto = Engine(quantized, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64, prefill_precision="auto")
+    exact = Engine(quantized, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64)
+    assert auto.prefill_precision == ("int8" if matmul.int8_matmul() else "float32")
+    prompt = prompts(22, [40])[0]
+    want, got = (np.asarray(e.prefill(prompt)[0]) for e in (exact, auto))
+    assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+    assert (np.abs(got - want).max() > 0) == matmul.int8_matmul()
+    floats = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, prefill_precision="auto")
+    assert floats.prefill_precision == "float32" and floats.prefill_params is floats.params
+
+
 def test_a_bfloat16_prefill_is_close_and_only_the_prefill(model):
     """`prefill_precision='bfloat16'`: a prompt's prefill logits within bfloat16 rounding of the exact engine's (and
     not equal: its matmuls did round), the decode steps of both engines run the same exact program, and another

@@ -211,6 +211,76 @@ def test_prefill_view_dots_in_bfloat16_close_to_float32(fmt):
         assert np.abs(got - want).max() > 0  # the operands were rounded
 
 
+def test_q8_rows_round_each_group_to_int8():
+    """`q8_rows`: a group's largest magnitude becomes +-127, the rest round to nearest even against d = amax / 127,
+    an all-zero group stays zero (scale 0), and the rounded sums are d times the codes' sums."""
+    x = np.zeros((2, 8), np.float32)
+    x[0, :4] = [1.0, -2.0, 0.5, 1.0 / 127 * 2 * 0.5 * 2]  # the last one 2/127 of amax 2: code 1 (1.0 exactly)
+    x[1, 4:] = [0.0, 127.0, -63.5, 0.5]  # ties to even: -63.5 -> -64 (even), 0.5 -> 0
+    q, d, sums = (np.asarray(a) for a in weights.q8_rows(jnp.asarray(x), 4))
+    assert q.shape == (2, 2, 4) and d.shape == sums.shape == (2, 2)
+    assert q[0, 0].tolist() == [64, -127, 32, 1] and np.isclose(d[0, 0], 2 / 127)
+    assert q[0, 1].tolist() == [0, 0, 0, 0] and d[0, 1] == 0 and sums[0, 1] == 0
+    assert q[1, 1].tolist() == [0, 127, -64, 0] and d[1, 1] == 1.0 and sums[1, 1] == 63.0
+    assert np.isclose(sums[0, 0], (64 - 127 + 32 + 1) * 2 / 127)
+
+
+@pytest.mark.parametrize("fmt, rows, cols", NATIVE_CASES)
+def test_int8_activations_native_equals_the_twin(fmt, rows, cols):
+    """`dot_dtype='int8'` (a prefill view's): the twin `q8_dot` is the dequantized matrix times x rounded to int8 per
+    group, and the native kernel (AVX512-VNNI) equals the twin at every row count (tiles of 6 rows, blocks of 512
+    rows: counts that are multiples of neither), columns that are whole 64s of its register transpose or not."""
+    from kivi_jax.native import matmul
+
+    w = random_matrix(fmt, rows, cols, layers=3, seed=rows).replace(dot_dtype="int8")
+    f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
+    for batch in (1, 5, 64, 65, 131, 523):
+        x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, cols)), jnp.float32)
+        ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))
+        q, d, _ = weights.q8_rows(x, w.group)
+        rounded = (np.asarray(q, np.float64) * np.asarray(d, np.float64)[..., None]).reshape(batch, cols)
+        want = rounded @ np.asarray(w.dequantize(), np.float64)[2].T  # the contract, in float64
+        assert np.abs(ref - want).max() <= 1e-5 * np.abs(want).max(), (fmt, batch)
+        exact = np.asarray(x) @ np.asarray(w.dequantize())[2].T
+        assert 0 < np.abs(ref - exact).max() <= 5e-2 * np.abs(exact).max()  # rounded, and only by int8's step
+        if not matmul.int8_matmul():
+            continue  # (no VNNI: the twin is what runs; asserted below)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no silent fallback
+            got = np.asarray(f(x, w.replace(impl="native"), jnp.int32(2)))
+        assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max(), (fmt, batch)
+    if not matmul.int8_matmul():
+        assert "VNNI" in matmul.unsupported(w, 64, jnp.float32)
+
+
+def test_prefill_view_int8_rounds_quantized_activations_only(monkeypatch):
+    """`prefill_view(params, 'int8')`: 4- and 8-bit matrices dot x rounded to int8 (the native kernel where the CPU
+    has VNNI, in the lowered program), float weights stay as they are; a tiny model's logits stay within int8's
+    rounding of the float32 prefill's, the native and XLA paths agree but for a rare code rounded apart."""
+    from kivi_jax.native import matmul
+
+    params = weights.convert_params(init_params(tiny_cfg(), jax.random.PRNGKey(0)), "int4-g32")
+    view = weights.prefill_view(params, "int8")
+    fmts = {name: w.dot_dtype for name, w, _ in weights._quantizable(view) if weights.is_quantized(w)}
+    assert fmts and set(fmts.values()) == {"int8"}
+    floats = init_params(tiny_cfg(), jax.random.PRNGKey(0))
+    assert weights.prefill_view(floats, "int8") is floats  # nothing quantized: nothing to round
+    # the server's default: int8 where the kernel takes it, float32 for float weights or without VNNI
+    assert weights.auto_prefill_precision(params) == ("int8" if matmul.int8_matmul() else "float32")
+    assert weights.auto_prefill_precision(floats) == "float32" and weights.prefill_view(floats, "auto") is floats
+    f = jax.jit(lambda p, t: forward(p, t, kivi_jax.make_cache("kivi2", p.config, 2, 256))[0])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 96)), jnp.int32)
+    text = f.lower(view, tokens).as_text()
+    assert ("kivi_jax_qmatmul" in text) == matmul.int8_matmul()
+    got, want = np.asarray(f(view, tokens)), np.asarray(f(params, tokens))
+    assert 0 < np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+    twin = np.asarray(f(weights.with_impl(view, "xla"), tokens))
+    # the paths' float sums differ in order, so a layer's activation on a rounding boundary may round to the next
+    # code in one and not the other: a few logits move by a step, the rest agree to float32's rounding
+    assert np.abs(got - twin).max() <= 1e-2 * np.abs(twin).max()
+    assert np.abs(got - twin).mean() <= 1e-4 * np.abs(twin).max()
+
+
 # (rows, cols) of bf16 matrices: rows not a multiple of the kernel's 64-row items (nor of AMX's 16-row tiles), columns
 # a multiple of AMX's 32 or not (the widening tiles)
 BF16_CASES = [(37, 100), (130, 577), (576, 192), (130, 576)]

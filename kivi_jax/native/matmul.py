@@ -29,8 +29,19 @@ def bf16_rows() -> int:
 BF16_ROWS = bf16_rows()
 
 
+def int8_matmul() -> bool:
+    """Whether the built kernel takes int8 activations (`dot_dtype='int8'`: AVX512-VNNI and BW)."""
+    lib = build.load()
+    return lib is not None and bool(lib.kivi_jax_int8_matmul())
+
+
 def unsupported(w, rows: int, x_dtype) -> str | None:
     """Why the native kernel cannot compute `x M^T` for this matrix and `rows` activation rows, or None."""
+    if w.dot_dtype == "int8":
+        if w.bits not in BITS or w.group % 4:
+            return f"int8 activations need 4- or 8-bit codes in groups of a multiple of 4, not {w.bits}-bit, {w.group}"
+        if not int8_matmul():
+            return "int8 activations need AVX512-VNNI (this build has none)"
     if w.bits == 16:
         if rows > BF16_ROWS:
             return f"{rows} activation rows of a bf16 matrix is more than the native path's {BF16_ROWS} (XLA's dot)"
@@ -57,7 +68,8 @@ def call_layer(ws) -> jax.Array:
 
 def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     """`x [n, cols]` float32 times `M^T` of each quantized matrix in `ws` (matrices sharing their input, e.g. q, k
-    and v; each one layer, or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call."""
+    and v; each one layer, or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call. A
+    matrix with `dot_dtype='int8'` takes x rounded to int8 per group (twin: `kivi_jax.weights.q8_dot`)."""
     layer = call_layer(ws)
     operands, results = [], []
     for w in ws:
@@ -69,7 +81,8 @@ def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     call = jax.ffi.ffi_call("kivi_jax_qmatmul", tuple(results))
     return tuple(call(x.astype(jnp.float32), layer, *operands, bits=np.array([w.bits for w in ws], np.int64),
                       group=np.array([w.group for w in ws], np.int64),
-                      offset=np.array([w.offset for w in ws], np.int64)))
+                      offset=np.array([w.offset for w in ws], np.int64),
+                      int8=np.array([w.dot_dtype == "int8" for w in ws], np.int64)))
 
 
 def bmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:

@@ -357,6 +357,206 @@ void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
   gemm_rows(a.x, a.C, strip.data(), a.y, a.R, n0, n1, r0, n);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KIVI_VNNI 1
+// ---- int8 activations (a prefill with dot_dtype "int8"): y = x M^T with x rounded to int8 per group ----
+// The contract is kivi_jax.weights.q8_dot: each activation row's group g of G columns becomes q = round(x * (127 /
+// amax)) with scale d = amax / 127 (amax its largest magnitude), as llama.cpp's Q8 activations; then y[n, r] =
+// Σ_g scale[r, g] d[n, g] Σ_{c in g} code[r, c] q[n, c] (exact int32 sums) + Σ_g (min - offset * scale)[r, g] d[n,
+// g] Σ_{c in g} q[n, c]: the dequantized matrix times x rounded, as llama.cpp's Q4_1 x Q8_1. Products are AVX512-VNNI's u8 x s8 dot of four columns: the codes as the unsigned
+// operand (4-bit as they are; 8-bit codes + 128, the excess taken out of the int32 sum as -128 Σ q, a per-group term
+// of the activations), a strip of Q8_NR weight rows interleaved four codes a row ([C / 4][Q8_NR] dwords), Q8_MR
+// activation rows broadcast four bytes at a time.
+
+constexpr int Q8_MR = 6;       // activation rows a tile holds: 12 int32 and 12 float accumulators
+constexpr int64_t Q8_NR = 32;  // weight rows of a strip: two vectors
+
+struct Q8Rows {  // activations rounded to int8 for one group size
+  int64_t G = 0, NG = 0;
+  line_vector<int8_t> q;      // [N, C]
+  std::vector<float> d;       // [N, NG] the groups' scales
+  std::vector<float> sum;     // [N, NG] the groups' sums of x rounded: d Σ q
+  std::vector<int32_t> corr;  // [N, NG] -128 Σ q (for signed codes)
+};
+
+// Rows [n0, n1) of x [N, C] rounded to int8 in groups of G columns (G a multiple of 4) into r.
+void quantize_rows(const float* x, int64_t C, int64_t n0, int64_t n1, Q8Rows& r) {
+  const int64_t G = r.G, NG = r.NG;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t g = 0; g < NG; ++g) {
+      const float* xg = x + n * C + g * G;
+      int8_t* qg = r.q.data() + n * C + g * G;
+      int64_t j = 0;
+      __m512 vmax = _mm512_setzero_ps();
+      for (; j + 16 <= G; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + j)));
+      float amax = _mm512_reduce_max_ps(vmax);
+      for (int64_t k = j; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t qsum = 0;
+      j = 0;
+      const __m512 vid = _mm512_set1_ps(id);
+      __m512i vq = _mm512_setzero_si512();
+      for (; j + 16 <= G; j += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j), vid));  // to nearest even
+        vq = _mm512_add_epi32(vq, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + j), _mm512_cvtsepi32_epi8(q));
+      }
+      qsum = _mm512_reduce_add_epi32(vq);
+      for (int64_t k = j; k < G; ++k) {
+        const int q = (int)std::nearbyint(xg[k] * id);
+        qg[k] = (int8_t)q;
+        qsum += q;
+      }
+      const float d = amax / 127.0f;
+      r.d[n * NG + g] = d;
+      r.sum[n * NG + g] = (float)qsum * d;
+      r.corr[n * NG + g] = -128 * qsum;
+    }
+}
+
+// Weight rows [r0, r0 + n) (n <= Q8_NR) as a strip: their unsigned codes interleaved four a row into wq [C / 4]
+// [Q8_NR] dwords, their scales and (min - offset * scale) into sc, mf [NG][Q8_NR] floats; zero past n.
+void pack_q8_strip(const QArgs& a, int bits, int64_t r0, int64_t n, uint8_t* codes, int32_t* wq, float* sc,
+                   float* mf) {
+  const int64_t C = a.C, G = a.G, NG = a.NG, half = G / 2;
+  for (int64_t j = 0; j < Q8_NR; ++j) {
+    uint8_t* out = codes + j * C;
+    if (j >= n) {
+      std::memset(out, 0, C);
+      continue;
+    }
+    const uint8_t* row = a.codes + (r0 + j) * (C * bits / 8);
+    if (bits == 8) {
+      for (int64_t c = 0; c < C; ++c) out[c] = row[c] ^ 0x80;  // int8 code + 128
+    } else {
+      const __m128i low = _mm_set1_epi8(0xF);
+      for (int64_t g = 0; g < NG; ++g) {
+        const uint8_t* cg = row + g * half;
+        uint8_t* og = out + g * G;
+        int64_t k = 0;
+        for (; k + 16 <= half; k += 16) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + k));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(og + k), _mm_and_si128(b, low));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(og + k + half), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        }
+        for (; k < half; ++k) og[k] = cg[k] & 0xF, og[k + half] = cg[k] >> 4;
+      }
+    }
+  }
+  int64_t c0 = 0;
+  for (; c0 + 64 <= C; c0 += 64)  // 16 rows by 16 dwords (64 codes) at a time, transposed in registers
+    for (int64_t j0 = 0; j0 < Q8_NR; j0 += 16) {
+      __m512i t[16];
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(codes + (j0 + i) * C + c0);
+      transpose16(t);  // t[k]: codes c0 + 4k .. c0 + 4k + 3 of rows j0 .. j0 + 15
+      for (int k = 0; k < 16; ++k) _mm512_store_si512(wq + (c0 / 4 + k) * Q8_NR + j0, t[k]);
+    }
+  for (int64_t k = c0 / 4; k < C / 4; ++k)
+    for (int64_t j = 0; j < Q8_NR; ++j) std::memcpy(wq + k * Q8_NR + j, codes + j * C + 4 * k, 4);
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t j = 0; j < Q8_NR; ++j) {
+      const int64_t i = (r0 + j) * NG + g;
+      const float s = j < n ? scalar_at(a.scale, i, a.st) : 0.0f;
+      sc[g * Q8_NR + j] = s;
+      mf[g * Q8_NR + j] = j < n ? (a.mn ? scalar_at(a.mn, i, a.st) : 0.0f) - a.offset * s : 0.0f;
+    }
+}
+
+// y[i, j] for i < MR activation rows (n0 .. of r), j < Q8_NR weight rows of a packed strip: per group, int32 sums of
+// u8 x s8 products, then scaled into float accumulators (with the mins' part when MINS, the codes' excess taken out
+// when SIGNED); groups of GS columns (0: r.G), a group's steps unrolled when known.
+template <int MR, int GS, bool MINS, bool SIGNED>
+void q8_tile(const Q8Rows& r, int64_t C, int64_t n0, const int32_t* wq, const float* sc, const float* mf, float* y,
+             int64_t ldy) {
+  const int64_t G = GS ? GS : r.G, NG = r.NG;
+  __m512 acc[MR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const int8_t* x = r.q.data() + n0 * C;
+  for (int64_t g = 0; g < NG; ++g) {
+    __m512i dot[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i)
+      dot[i][0] = dot[i][1] = SIGNED ? _mm512_set1_epi32(r.corr[(n0 + i) * NG + g]) : _mm512_setzero_si512();
+    const int32_t* wg = wq + g * (G / 4) * Q8_NR;
+    const int8_t* xg = x + g * G;
+#pragma GCC unroll 8
+    for (int64_t k = 0; k < G / 4; ++k) {
+      const __m512i w0 = _mm512_load_si512(wg + k * Q8_NR), w1 = _mm512_load_si512(wg + k * Q8_NR + 16);
+#pragma GCC unroll 6
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, xg + i * C + 4 * k, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], w0, xb);
+        dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, xb);
+      }
+    }
+    const __m512 s0 = _mm512_load_ps(sc + g * Q8_NR), s1 = _mm512_load_ps(sc + g * Q8_NR + 16);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m512 d = _mm512_set1_ps(r.d[(n0 + i) * NG + g]);
+      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), _mm512_mul_ps(s0, d), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), _mm512_mul_ps(s1, d), acc[i][1]);
+    }
+    if (MINS) {
+      const __m512 m0 = _mm512_load_ps(mf + g * Q8_NR), m1 = _mm512_load_ps(mf + g * Q8_NR + 16);
+#pragma GCC unroll 6
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xs = _mm512_set1_ps(r.sum[(n0 + i) * NG + g]);
+        acc[i][0] = _mm512_fmadd_ps(m0, xs, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(m1, xs, acc[i][1]);
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(y + i * ldy, acc[i][0]);
+    _mm512_storeu_ps(y + i * ldy + 16, acc[i][1]);
+  }
+}
+
+using Q8Fn = void (*)(const Q8Rows&, int64_t, int64_t, const int32_t*, const float*, const float*, float*, int64_t);
+
+template <int GS, bool MINS, bool SIGNED, int... MRs>
+Q8Fn q8_of(int mr, std::integer_sequence<int, MRs...>) {
+  Q8Fn fns[] = {q8_tile<MRs + 1, GS, MINS, SIGNED>...};
+  return fns[mr - 1];
+}
+
+// The tile for `mr` rows (1 .. Q8_MR): GGUF's 32-column groups unrolled, other group sizes at run time.
+template <int GS>
+Q8Fn q8_kernel(int mr, bool mins, bool is_signed) {
+  const auto seq = std::make_integer_sequence<int, Q8_MR>{};
+  if (is_signed) return mins ? q8_of<GS, true, true>(mr, seq) : q8_of<GS, false, true>(mr, seq);
+  return mins ? q8_of<GS, true, false>(mr, seq) : q8_of<GS, false, false>(mr, seq);
+}
+
+// Output rows [r0, r0 + Q8_NR) (clipped to R) of y [N, R] for activation rows [n0, n1) of r: the strip packed, then
+// every tile of Q8_MR rows (a strip's narrower last tile through a buffer).
+void q8_strip_item(const QArgs& a, int bits, const Q8Rows& r, int64_t r0, int64_t n0, int64_t n1) {
+  thread_local line_vector<uint8_t> codes;
+  thread_local line_vector<int32_t> wq;
+  thread_local line_vector<float> sc, mf;
+  if (codes.size() < (size_t)(Q8_NR * a.C)) codes.resize(Q8_NR * a.C), wq.resize(Q8_NR * a.C / 4);
+  if (sc.size() < (size_t)(Q8_NR * a.NG)) sc.resize(Q8_NR * a.NG), mf.resize(Q8_NR * a.NG);
+  const int64_t n = std::min<int64_t>(Q8_NR, a.R - r0);
+  pack_q8_strip(a, bits, r0, n, codes.data(), wq.data(), sc.data(), mf.data());
+  const bool mins = a.mn || a.offset;
+  alignas(64) float part[Q8_MR * Q8_NR];
+  for (int64_t i = n0; i < n1; i += Q8_MR) {
+    const int mr = (int)std::min<int64_t>(Q8_MR, n1 - i);
+    const Q8Fn fn = a.G == 32 ? q8_kernel<32>(mr, mins, bits == 8) : q8_kernel<0>(mr, mins, bits == 8);
+    if (n == Q8_NR) {
+      fn(r, a.C, i, wq.data(), sc.data(), mf.data(), a.y + i * a.R + r0, a.R);
+      continue;
+    }
+    fn(r, a.C, i, wq.data(), sc.data(), mf.data(), part, Q8_NR);
+    for (int t = 0; t < mr; ++t) std::memcpy(a.y + (i + t) * a.R + r0, part + t * Q8_NR, n * sizeof(float));
+  }
+}
+#endif
+
 // One matrix of a call, checked: its QArgs (x, y and xsum set by the caller) and bits.
 ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer mn, int64_t layer, int64_t N,
                        int64_t C, int64_t bits, int64_t group, int64_t offset, QArgs& a) {
@@ -389,14 +589,20 @@ ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffe
 // out as one pool of work items, so a call long enough to be worth a second thread is one call.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> bits,
-                       ffi::Span<const int64_t> groups, ffi::Span<const int64_t> offsets) {
+                       ffi::Span<const int64_t> groups, ffi::Span<const int64_t> offsets,
+                       ffi::Span<const int64_t> int8) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x must be [N, C]");
   const size_t M = bits.size();
-  if (M == 0 || groups.size() != M || offsets.size() != M || args.size() != 3 * M || rets.size() != M)
+  if (M == 0 || groups.size() != M || offsets.size() != M || int8.size() != M || args.size() != 3 * M ||
+      rets.size() != M)
     return ffi::Error::InvalidArgument("qmatmul: three operands (codes, scales, mins) and one result a matrix");
   const int64_t N = xd[0], C = xd[1], l = layer.typed_data()[0];
   std::vector<QArgs> mats(M);
+#if KIVI_VNNI
+  std::vector<Q8Rows> q8rows;  // x rounded to int8, one for each group size of the int8 matrices
+  std::vector<int> q8of(M, -1);
+#endif
   std::vector<std::vector<float>> xsums(M);
   std::vector<int64_t> first(M + 1, 0);  // first work item of each matrix
   for (size_t i = 0; i < M; ++i) {
@@ -411,6 +617,24 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if ((*y)->element_count() != (size_t)(N * a.R)) return ffi::Error::InvalidArgument("qmatmul: y must be [N, R]");
     a.x = x.typed_data();
     a.y = (*y)->typed_data();
+    if (int8[i]) {  // items: a strip of Q8_NR rows of M by a block of GEMM_MB activation rows, whatever N
+#if KIVI_VNNI
+      if (a.G % 4) return ffi::Error::InvalidArgument("qmatmul: int8 activations need groups of a multiple of 4");
+      size_t k = 0;
+      while (k < q8rows.size() && q8rows[k].G != a.G) ++k;
+      if (k == q8rows.size()) {
+        q8rows.emplace_back();
+        Q8Rows& r = q8rows.back();
+        r.G = a.G, r.NG = a.NG;
+        r.q.resize(N * C), r.d.resize(N * a.NG), r.sum.resize(N * a.NG), r.corr.resize(N * a.NG);
+      }
+      q8of[i] = (int)k;
+      first[i + 1] = first[i] + (a.R + Q8_NR - 1) / Q8_NR * ((N + GEMM_MB - 1) / GEMM_MB);
+      continue;
+#else
+      return ffi::Error::InvalidArgument("qmatmul: int8 activations need AVX512-VNNI (this build has none)");
+#endif
+    }
     if (N > GEMM_ROWS) {  // items: a strip of GEMM_NR rows of M by a block of GEMM_MB activation rows
       first[i + 1] = first[i] + (a.R + GEMM_NR - 1) / GEMM_NR * ((N + GEMM_MB - 1) / GEMM_MB);
       continue;
@@ -425,10 +649,25 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     a.xsum = xsums[i].data();
     first[i + 1] = first[i] + (a.R + ITEM_ROWS - 1) / ITEM_ROWS;
   }
+#if KIVI_VNNI
+  for (Q8Rows& r : q8rows) {  // blocks of 16 rows shared out when there are many
+    const int64_t blocks = (N + 15) / 16;
+    const auto quantize = [&](int64_t b) { quantize_rows(x.typed_data(), C, 16 * b, std::min(N, 16 * b + 16), r); };
+    if (N > GEMM_ROWS) parallel_for(pool, blocks, quantize);
+    else for (int64_t b = 0; b < blocks; ++b) quantize(b);
+  }
+#endif
   parallel_for(pool, first[M], [&](int64_t it) {
     size_t i = 0;
     while (it >= first[i + 1]) ++i;
     const QArgs& a = mats[i];
+#if KIVI_VNNI
+    if (q8of[i] >= 0) {
+      const int64_t strips = (a.R + Q8_NR - 1) / Q8_NR, local = it - first[i], n0 = local / strips * GEMM_MB;
+      q8_strip_item(a, (int)bits[i], q8rows[q8of[i]], local % strips * Q8_NR, n0, std::min(N, n0 + GEMM_MB));
+      return;
+    }
+#endif
     if (N > GEMM_ROWS) {
       const int64_t strips = (a.R + GEMM_NR - 1) / GEMM_NR, local = it - first[i], n0 = local / strips * GEMM_MB;
       strip_item(a, (int)bits[i], local % strips * GEMM_NR, n0, std::min(N, n0 + GEMM_MB));
@@ -452,4 +691,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxQMatmul, QMatmulImpl,
                                   .RemainingRets()               // per matrix: y [N, R] float32
                                   .Attr<ffi::Span<const int64_t>>("bits")
                                   .Attr<ffi::Span<const int64_t>>("group")
-                                  .Attr<ffi::Span<const int64_t>>("offset"));
+                                  .Attr<ffi::Span<const int64_t>>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("int8"));  // x rounded to int8 (q8_dot)
+
+// Whether this build's quantized matmul takes int8 activations (`int8`: AVX512-VNNI and BW).
+#if KIVI_VNNI
+extern "C" int kivi_jax_int8_matmul() { return 1; }
+#else
+extern "C" int kivi_jax_int8_matmul() { return 0; }
+#endif

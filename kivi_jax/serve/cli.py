@@ -14,7 +14,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     from kivi_jax.cli_args import integer
     from kivi_jax.serve.engine import CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS
     from kivi_jax.serve.scheduler import STEP_PREFILL_TOKENS
-    from kivi_jax.weights import PREFILL_PRECISIONS
+    from kivi_jax.weights import PREFILL_CHOICES
 
     add_model_args(p)
     add_cache_args(p, cache_default)
@@ -59,10 +59,12 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "costs, 32 for bf16 weights on an AMX CPU; all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
-    p.add_argument("--prefill-precision", choices=PREFILL_PRECISIONS, default="float32",
-                   help="the operands of a prompt's prefill matmuls (default float32, exact); bfloat16 rounds them, "
-                        "float32 sums: 1.4-1.9x faster prefill on a CPU with AMX, no gain expected without AMX or "
-                        "AVX512-BF16 (docs/serving.md measures its speed and its loss); decode steps stay float32")
+    p.add_argument("--prefill-precision", choices=PREFILL_CHOICES, default="auto",
+                   help="the operands of a prompt's prefill matmuls: float32 (exact); int8 rounds the activations of "
+                        "4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.8x faster prefill on a CPU "
+                        "with AVX512-VNNI); bfloat16 rounds both operands (1.4-1.9x faster with AMX); auto (default): "
+                        "int8 where the weights are quantized and the CPU has VNNI, else float32. docs/serving.md "
+                        "measures speed and loss; decode steps and scored prompts stay float32")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every prefill shape and decode bucket before serving (about 1-3 s each on a 2-core "
                         "CPU, which requests would otherwise wait; default: on for `serve`, off for `bench serve`)")
@@ -126,7 +128,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
                         prefix_snapshots=getattr(args, "prefix_snapshots", 0),
                         warmup=warmup if getattr(args, "warmup", None) is None else args.warmup,
-                        prefill_precision=getattr(args, "prefill_precision", "float32"))
+                        prefill_precision=getattr(args, "prefill_precision", "auto"))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

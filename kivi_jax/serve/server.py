@@ -64,7 +64,9 @@ class Server:
                     f"{self.scheduler.step_prefill_tokens} tokens between two decode steps; "
                     + ("pages taken as sequences grow, the newest request preempted when the pool runs out" if e.grow
                        else "pages reserved for prompt and max_tokens at admission")
-                    + (f"; up to {e.prefix_snapshots} prefix snapshots shared" if e.prefix_snapshots else ""))
+                    + (f"; up to {e.prefix_snapshots} prefix snapshots shared" if e.prefix_snapshots else "")
+                    + (f"; prefill precision {e.prefill_precision}" if e.prefill_precision != "float32"
+                       else ""))
         line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
                 f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
         full = c["full"]
@@ -78,6 +80,8 @@ class Server:
         if e.prefill_batch > 1:
             line += f", up to {e.prefill_batch} a call within {e.prefill_tokens} tokens"
         line += f", up to {self.scheduler.step_prefill_tokens} tokens between two decode steps"
+        if e.prefill_precision != "float32":
+            line += f"; prefill precision {e.prefill_precision}"
         if len(e.groups) > 1:
             line += f"; decoded in {len(e.groups)} groups of up to {e.groups[0][1]} slots"
         line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
@@ -90,7 +94,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
-                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32",
+                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "auto",
                  step_prefill_tokens: int = STEP_PREFILL_TOKENS) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
@@ -102,7 +106,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
     prompt prefixes kept for sharing (paged). `warmup`: the engine compiles its prefill shapes and decode buckets
     before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`). `prefill_precision`:
-    'bfloat16' rounds a prompt's prefill matmul operands to bfloat16 (`weights.prefill_view`). `step_prefill_tokens`:
+    the operands of a prompt's prefill matmuls (`weights.prefill_view`; 'auto': int8 activations for quantized
+    weights on a CPU with VNNI, else float32). `step_prefill_tokens`:
     the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`)."""
     check_serve_extra()
     from kivi_jax.serve import http
