@@ -32,7 +32,9 @@ from kivi_jax.models.config import ModelConfig
 from kivi_jax.models.decoder import Params, forward
 from kivi_jax.sampling import apply_bitmask, check_int, sample_rows, split_rows, token_logprobs
 
-PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
+PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so similar prompts share one compilation
+MIN_CHUNK = 64  # and a call to at least this many tokens (unless the chunk is narrower): at 32 a batch's XLA dots
+# rounded unlike one prompt's (tests/test_serve_batching.py), and few rows gain little
 CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)
 PREFILL_CHUNK = 512  # prompt tokens a prefill call takes (docs/benchmarks.md: chunked prefill)
 
@@ -81,16 +83,17 @@ def check_chunk(chunk) -> int:
 
 
 def chunk_size(tokens: int, chunk: int | None = PREFILL_CHUNK) -> int:
-    """The width of the prefill calls for a prompt of `tokens` (the longest of a batch): whole PROMPT_BUCKETs, so
-    similar prompts share one compilation, at most `chunk` (None: no limit). The last call may be narrower
-    (`ChunkPlan`)."""
-    size = -(-max(tokens, 1) // PROMPT_BUCKET) * PROMPT_BUCKET
+    """The width of the prefill calls for a prompt of `tokens` (the longest of a batch): whole PROMPT_BUCKETs, at
+    least MIN_CHUNK, so similar prompts share one compilation, at most `chunk` (None: no limit). The last call may be
+    narrower (`ChunkPlan`)."""
+    size = max(-(-max(tokens, 1) // PROMPT_BUCKET) * PROMPT_BUCKET, MIN_CHUNK)
     return size if chunk is None else min(size, check_chunk(chunk))
 
 
 class ChunkPlan(NamedTuple):
     """The prefill calls of a prompt: `chunks` calls, each `width` tokens wide but the last, which is `tail` wide
-    (the rest of the prompt in whole PROMPT_BUCKETs, so a long prompt computes less than a bucket of padding).
+    (the rest of the prompt in whole PROMPT_BUCKETs, at least MIN_CHUNK: a long prompt computes less than that of
+    padding).
     Prompts of one plan are prefilled alike alone or together (the serving engine batches by it), and the calls
     past a chunk end are the same whatever came before it (what a shared prefix relies on)."""
 

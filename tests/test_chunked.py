@@ -310,7 +310,8 @@ def test_a_prompts_chunk_plan_covers_it_and_its_calls_past_a_chunk_end_are_its_o
         widths = plan.widths()
         assert len(widths) == plan.chunks and plan.width == runtime.chunk_size(tokens, chunk)
         assert all(w == plan.width for w in widths[:-1]) and 0 < plan.tail <= plan.width
-        assert sum(widths) - plan.width < tokens <= sum(widths) < tokens + runtime.PROMPT_BUCKET
+        assert sum(widths) - plan.width < tokens <= sum(widths) < tokens + max(runtime.PROMPT_BUCKET, runtime.MIN_CHUNK)
+        assert sum(widths) < tokens + runtime.PROMPT_BUCKET or plan.tail == min(runtime.MIN_CHUNK, plan.width)
         assert plan.tail % runtime.PROMPT_BUCKET == 0 or plan.tail == plan.width
         for k in range(1, plan.chunks):
             assert runtime.chunk_plan(tokens - k * plan.width, plan.width).widths() == widths[k:]

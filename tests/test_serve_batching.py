@@ -44,6 +44,8 @@ BIT_FOR_BIT = pytest.mark.xla_default_emitters  # as users compile it (tests/xla
     # three chunks of 64 (3 prompts: a 4-row call with an empty row)
     pytest.param(SPEC, 64, [130, 150, 190], True, marks=BIT_FOR_BIT),
     pytest.param("full", 64, [70, 100], True, marks=BIT_FOR_BIT),
+    pytest.param(SPEC, 128, [66, 80, 90, 96], True, marks=BIT_FOR_BIT),  # one chunk of 96
+    pytest.param("full", 128, [70, 96], True, marks=BIT_FOR_BIT),
     (SPEC, 16, [34, 37, 48], False),  # chunks of 16: XLA's dot of 16 rows rounds unlike that of 64
 ])
 def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec, chunk, lengths, exact):
@@ -79,6 +81,21 @@ def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec,
     for _ in range(20):
         a, b = alone.step(), together.step()
         assert [a[s] for s, _ in first_alone] == [b[adm.slots[0]] for adm in admitted]
+
+
+def test_a_batched_prefill_takes_a_power_of_two_of_prompts_within_its_token_budget(model):
+    """`prefill_room`: the prompts of one shape a call takes, at most `prefill_batch`, and no more than the largest
+    power of two of rows (what a batch is padded to) whose rows x width stay within `prefill_tokens`; at least one."""
+    eng = Engine(model.params, SPEC, slots=8, max_length=MAX_LENGTH, prefill_chunk=512, prefill_tokens=512)
+    assert runtime.chunk_plan(20, 512).width == 64  # at least 64 wide
+    for width, room in ((64, 8), (96, 4), (128, 4), (160, 2), (256, 2), (288, 1), (512, 1)):
+        shape = runtime.chunk_plan(width, 512)
+        assert shape.width == width and eng.prefill_room(shape) == room, width
+        assert room * width <= 512
+    job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in prompts(13, [70, 80, 90, 96])])  # 5 would not fit
+    assert job.rows == 4 and job.plan == runtime.ChunkPlan(96, 1, 96)
+    with pytest.raises(ValueError, match="prefill_room"):
+        eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in prompts(14, [96] * 5)])
 
 
 def request(prompt: list[int], new: int, seen=None) -> tuple[Request, queue.Queue]:

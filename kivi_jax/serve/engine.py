@@ -916,8 +916,10 @@ class Engine:
         return chunk_plan(len(prompt), self.prefill_chunk)
 
     def prefill_room(self, shape: ChunkPlan) -> int:
-        """The most prompts of prefill shape `shape` one batched prefill takes."""
-        return max(1, min(self.prefill_batch, self.prefill_tokens // shape.width))
+        """The most prompts of prefill shape `shape` one batched prefill takes: a power of two (the rows
+        `start_prefill` pads a batch to), so that its rows x width stay within the token budget."""
+        rows = max(1, self.prefill_tokens // shape.width)
+        return min(self.prefill_batch, 1 << (rows.bit_length() - 1))
 
     def start_prefill(self, requests: Sequence[Waiting]) -> PrefillJob:
         """Reserves the slots of `requests` (one a choice; every prompt of one `prefill_shape`, at most
