@@ -250,9 +250,15 @@ def matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Array, ...
     n = math.prod(lead)
 
     def xla():  # XLA fuses each dequantization into its dot's operand
-        return tuple(bf16_dot(x, w, out_dtype) if w.bits == 16 else q8_dot(x, w, out_dtype) if w.dot_dtype == "int8"
-                     else xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
-                             w.dot_dtype, out_dtype) for w in ws)
+        def one(w):
+            if w.bits == 16:
+                return bf16_dot(x, w, out_dtype)
+            if w.dot_dtype == "int8":
+                return q8_dot(x, w, out_dtype)
+            return xla_dot(x, w.dequantize(x.dtype if w.dot_dtype == "float32" else w.dot_dtype), "...c,rc->...r",
+                           w.dot_dtype, out_dtype)
+
+        return tuple(one(w) for w in ws)
 
     def cpu():
         from kivi_jax.native import matmul

@@ -7,7 +7,8 @@ defines the formats; the model never imports them, as it never imports a cache):
   `w.matmul_t_many(x, ws)` the same for every matrix of `ws` at once (they share the input);
 - `w.rows(ids)`: rows `M[ids] -> [..., cols]` (an embedding table);
 - `w.at_layer(layer)`: a stacked `[layers, rows, ...]` weight read at a (traced) layer index without slicing it;
-- `w.operand_dtype`: the dtype ('float32', 'bfloat16') its matmul rounds the operands to.
+- `w.operand_dtype`: the dtype ('float32', 'bfloat16'; 'int8': the activations of a quantized matrix, a prefill
+  view's) its matmul rounds the operands to.
 A projection `W [in, out]` is stored as `M = W.T` (one row an output unit); an embedding table `E [vocab, hidden]`
 as `M = E`, so the tied output head is `matmul_t` of the same table.
 """

@@ -363,10 +363,11 @@ void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
 // The contract is kivi_jax.weights.q8_dot: each activation row's group g of G columns becomes q = round(x * (127 /
 // amax)) with scale d = amax / 127 (amax its largest magnitude), as llama.cpp's Q8 activations; then y[n, r] =
 // Σ_g scale[r, g] d[n, g] Σ_{c in g} code[r, c] q[n, c] (exact int32 sums) + Σ_g (min - offset * scale)[r, g] d[n,
-// g] Σ_{c in g} q[n, c]: the dequantized matrix times x rounded, as llama.cpp's Q4_1 x Q8_1. Products are AVX512-VNNI's u8 x s8 dot of four columns: the codes as the unsigned
-// operand (4-bit as they are; 8-bit codes + 128, the excess taken out of the int32 sum as -128 Σ q, a per-group term
-// of the activations), a strip of Q8_NR weight rows interleaved four codes a row ([C / 4][Q8_NR] dwords), Q8_MR
-// activation rows broadcast four bytes at a time.
+// g] Σ_{c in g} q[n, c]: the dequantized matrix times x rounded, as llama.cpp's Q4_1 x Q8_1. Products are
+// AVX512-VNNI's u8 x s8 dot of four columns: the codes as the unsigned operand (4-bit as they are; 8-bit codes +
+// 128, the excess taken out of the int32 sum as -128 Σ q, a per-group term of the activations), a strip of Q8_NR
+// weight rows interleaved four codes a row ([C / 4][Q8_NR] dwords), Q8_MR activation rows broadcast four bytes at
+// a time.
 
 constexpr int Q8_MR = 6;       // activation rows a tile holds: 12 int32 and 12 float accumulators
 constexpr int64_t Q8_NR = 32;  // weight rows of a strip: two vectors

@@ -395,8 +395,8 @@ class Engine:
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         # A plain prompt's prefill dots with operands rounded to `prefill_precision` (weights.prefill_view); a scored
         # prompt's and every decode step's stay exact
-        if prefill_precision == "auto":
-            prefill_precision = weights.auto_prefill_precision(params)
+        if prefill_precision == "auto":  # on a mesh the native kernels do not run: float32 (int8 would be XLA's twin)
+            prefill_precision = "float32" if mesh is not None else weights.auto_prefill_precision(params)
         self.prefill_params = weights.prefill_view(params, prefill_precision)
         self.prefill_precision = prefill_precision
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
@@ -916,8 +916,8 @@ class Engine:
         return chunk_plan(len(prompt), self.prefill_chunk)
 
     def prefill_room(self, shape: ChunkPlan) -> int:
-        """The most prompts of prefill shape `shape` one batched prefill takes: a power of two (the rows
-        `start_prefill` pads a batch to), so that its rows x width stay within the token budget."""
+        """The most prompts of prefill shape `shape` one batched prefill takes: at most `prefill_batch`, and no more
+        than the largest power of two of rows (what `start_prefill` pads a batch to) within the token budget."""
         rows = max(1, self.prefill_tokens // shape.width)
         return min(self.prefill_batch, 1 << (rows.bit_length() - 1))
 
