@@ -61,7 +61,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                    help="never reuse a finished request's cache for a prompt that extends it")
     p.add_argument("--prefill-precision", choices=PREFILL_CHOICES, default="auto",
                    help="the operands of a prompt's prefill matmuls: float32 (exact); int8 rounds the activations of "
-                        "4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.8x faster prefill on a CPU "
+                        "4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.7x faster prefill on a CPU "
                         "with AVX512-VNNI); bfloat16 rounds both operands (1.4-1.9x faster with AMX); auto (default): "
                         "int8 where the weights are quantized and the CPU has VNNI, else float32. docs/serving.md "
                         "measures speed and loss; decode steps and scored prompts stay float32")
