@@ -377,12 +377,12 @@ def native_view(params, impl: str = "auto"):
 
 
 PREFILL_PRECISIONS = ("float32", "bfloat16", "int8")
-PREFILL_CHOICES = ("auto",) + PREFILL_PRECISIONS  # what the server's flag takes: 'auto' is `auto_prefill_precision`
+PREFILL_CHOICES = PREFILL_PRECISIONS + ("auto",)  # what the server's flag takes: 'auto' is `auto_prefill_precision`
 
 
 def auto_prefill_precision(params) -> str:
-    """The server's default prefill precision: 'int8' where the params hold 4- or 8-bit matrices and the native kernel
-    takes int8 activations on this CPU (AVX512-VNNI; docs/serving.md measures its speed and its loss), else
+    """The server's `--prefill-precision auto`: 'int8' where the params hold 4- or 8-bit matrices and the native
+    kernel takes int8 activations on this CPU (AVX512-VNNI; docs/serving.md measures its speed and its loss), else
     'float32'."""
     from kivi_jax.native import matmul
 

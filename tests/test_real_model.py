@@ -110,7 +110,7 @@ def test_gguf_blocks_give_the_float32_path_s_tokens(smollm2):
 
 
 def test_a_prefill_from_a_chunk_end_is_the_prompts_own_prefill_bit_for_bit(smollm2):
-    """A 600-token prompt: one 512-token chunk and a 128-token last one (`runtime.ChunkPlan`). Prefilled whole, and
+    """A 600-token prompt: one 512-token chunk and a 96-token last one (`runtime.ChunkPlan`). Prefilled whole, and
     from the cache at its first chunk end (what a shared prefix starts from): the same logits to the bit. (On this
     model a 512-wide last chunk rounds differently, so this holds only because both take the plan's narrow one.)"""
     from kivi_jax import runtime
@@ -119,7 +119,7 @@ def test_a_prefill_from_a_chunk_end_is_the_prompts_own_prefill_bit_for_bit(smoll
 
     params, cfg = smollm2.params, smollm2.config
     prompt = np.random.RandomState(7).randint(10, cfg.vocab_size, (1, 600)).astype(np.int32)
-    assert runtime.chunk_plan(600, 512) == (512, 2, 128)
+    assert runtime.chunk_plan(600, 512) == (512, 2, 96)
     make = lambda: make_cache(parse_cache_spec("kivi2"), cfg, 1, 1024, params.dtype, "xla")
     whole, _ = runtime.prefill(params, prompt, np.array([600]), make(), 512)
     _, part = runtime.prefill(params, prompt[:, :512], np.array([512]), make(), 512)

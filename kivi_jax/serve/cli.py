@@ -59,12 +59,13 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "costs, 32 for bf16 weights on an AMX CPU; all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
-    p.add_argument("--prefill-precision", choices=PREFILL_CHOICES, default="auto",
-                   help="the operands of a prompt's prefill matmuls: float32 (exact); int8 rounds the activations of "
-                        "4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.7x faster prefill on a CPU "
-                        "with AVX512-VNNI); bfloat16 rounds both operands (1.4-1.9x faster with AMX); auto (default): "
-                        "int8 where the weights are quantized and the CPU has VNNI, else float32. docs/serving.md "
-                        "measures speed and loss; decode steps and scored prompts stay float32")
+    p.add_argument("--prefill-precision", choices=PREFILL_CHOICES, default="float32",
+                   help="the operands of a prompt's prefill matmuls: float32 (default, exact); int8 rounds the "
+                        "activations of 4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.7x faster "
+                        "prefill on a CPU with AVX512-VNNI; it flips near-tied greedy tokens); bfloat16 rounds both "
+                        "operands (1.4-1.9x faster with AMX); auto: int8 where the weights are quantized and the CPU "
+                        "has VNNI, else float32. docs/serving.md measures speed and loss; decode steps and scored "
+                        "prompts stay float32")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every prefill shape and decode bucket before serving (about 1-3 s each on a 2-core "
                         "CPU, which requests would otherwise wait; default: on for `serve`, off for `bench serve`)")
@@ -128,7 +129,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
                         prefix_snapshots=getattr(args, "prefix_snapshots", 0),
                         warmup=warmup if getattr(args, "warmup", None) is None else args.warmup,
-                        prefill_precision=getattr(args, "prefill_precision", "auto"))
+                        prefill_precision=getattr(args, "prefill_precision", "float32"))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

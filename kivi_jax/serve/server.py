@@ -94,7 +94,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  decode_group: int | None = None, mesh=None, max_body_bytes: int | None = None,
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
-                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "auto",
+                 prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32",
                  step_prefill_tokens: int = STEP_PREFILL_TOKENS) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
@@ -106,8 +106,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
     prompt prefixes kept for sharing (paged). `warmup`: the engine compiles its prefill shapes and decode buckets
     before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`). `prefill_precision`:
-    the operands of a prompt's prefill matmuls (`weights.prefill_view`; 'auto': int8 activations for quantized
-    weights on a CPU with VNNI, else float32). `step_prefill_tokens`:
+    the operands of a prompt's prefill matmuls (`weights.prefill_view`; 'int8', or 'auto': int8 activations for
+    quantized weights on a CPU with VNNI, else float32). `step_prefill_tokens`:
     the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`)."""
     check_serve_extra()
     from kivi_jax.serve import http
