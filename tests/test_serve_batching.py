@@ -309,8 +309,9 @@ def test_a_prompts_later_chunks_reuse_its_first_chunks_program(model):
 
 
 def test_an_auto_prefill_precision_rounds_quantized_activations_where_the_cpu_has_vnni(model):
-    """`prefill_precision='auto'` (the server's default): int8 activations for quantized weights where the native
-    kernel takes them, the prefill's logits within int8's rounding of the exact engine's; float weights exact."""
+    """`prefill_precision='auto'` (`serve --prefill-precision auto`): int8 activations for quantized weights where
+    the native kernel takes them, the prefill's logits within int8's rounding of the exact engine's; float weights
+    exact."""
     from kivi_jax.native import matmul
 
     quantized = kivi_jax.weights.convert_params(model.params, "int8")  # 8-bit codes, a group a row

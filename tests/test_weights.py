@@ -265,7 +265,7 @@ def test_prefill_view_int8_rounds_quantized_activations_only(monkeypatch):
     assert fmts and set(fmts.values()) == {"int8"}
     floats = init_params(tiny_cfg(), jax.random.PRNGKey(0))
     assert weights.prefill_view(floats, "int8") is floats  # nothing quantized: nothing to round
-    # the server's default: int8 where the kernel takes it, float32 for float weights or without VNNI
+    # the server's `auto`: int8 where the kernel takes it, float32 for float weights or without VNNI
     assert weights.auto_prefill_precision(params) == ("int8" if matmul.int8_matmul() else "float32")
     assert weights.auto_prefill_precision(floats) == "float32" and weights.prefill_view(floats, "auto") is floats
     f = jax.jit(lambda p, t: forward(p, t, kivi_jax.make_cache("kivi2", p.config, 2, 256))[0])
