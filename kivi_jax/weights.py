@@ -380,15 +380,20 @@ PREFILL_PRECISIONS = ("float32", "bfloat16", "int8")
 PREFILL_CHOICES = PREFILL_PRECISIONS + ("auto",)  # what the server's flag takes: 'auto' is `auto_prefill_precision`
 
 
-def auto_prefill_precision(params) -> str:
-    """The server's `--prefill-precision auto`: 'int8' where the params hold 4- or 8-bit matrices and the native
-    kernel takes int8 activations on this CPU (AVX512-VNNI; docs/serving.md measures its speed and its loss), else
-    'float32'."""
+def takes_int8(w) -> bool:
+    """Whether a matrix may dot int8 activations (`q8_dot`): 4- or 8-bit codes in groups of a multiple of 4."""
+    return is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0
+
+
+def auto_prefill_precision(params, mesh=None) -> str:
+    """The server's `--prefill-precision auto`: 'int8' where the params hold matrices that take int8 activations and
+    the native kernel takes them on this CPU (AVX512-VNNI; docs/serving.md measures its speed and its loss), else
+    'float32' (and on a device mesh, where the native kernels do not run and int8 would be XLA's twin)."""
     from kivi_jax.native import matmul
 
-    if jax.default_backend() != "cpu":
+    if mesh is not None or jax.default_backend() != "cpu":
         return "float32"
-    quantized = any(is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0 for _, w, _ in _quantizable(params))
+    quantized = any(takes_int8(w) for _, w, _ in _quantizable(params))
     return "int8" if quantized and matmul.int8_matmul() else "float32"
 
 
@@ -406,8 +411,7 @@ def prefill_view(params, precision: str = "float32"):
     if precision == "float32":
         return params
     if precision == "int8":
-        new = {name: w.replace(dot_dtype="int8") for name, w, _ in _quantizable(params)
-               if is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0}
+        new = {name: w.replace(dot_dtype="int8") for name, w, _ in _quantizable(params) if takes_int8(w)}
         return replace_leaves(params, new) if new else params
     new = {name: (w.replace(dot_dtype=precision) if is_quantized(w) else
                   FloatMatrix(w, transposed=not table, dot_dtype=precision))

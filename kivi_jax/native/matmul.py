@@ -38,7 +38,9 @@ def int8_matmul() -> bool:
 def unsupported(w, rows: int, x_dtype) -> str | None:
     """Why the native kernel cannot compute `x M^T` for this matrix and `rows` activation rows, or None."""
     if w.dot_dtype == "int8":
-        if w.bits not in BITS or w.group % 4:
+        from kivi_jax.weights import takes_int8
+
+        if not takes_int8(w):
             return f"int8 activations need 4- or 8-bit codes in groups of a multiple of 4, not {w.bits}-bit, {w.group}"
         if not int8_matmul():
             return "int8 activations need AVX512-VNNI (this build has none)"

@@ -395,8 +395,8 @@ class Engine:
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         # A plain prompt's prefill dots with operands rounded to `prefill_precision` (weights.prefill_view); a scored
         # prompt's and every decode step's stay exact
-        if prefill_precision == "auto":  # on a mesh the native kernels do not run: float32 (int8 would be XLA's twin)
-            prefill_precision = "float32" if mesh is not None else weights.auto_prefill_precision(params)
+        if prefill_precision == "auto":
+            prefill_precision = weights.auto_prefill_precision(params, mesh)
         self.prefill_params = weights.prefill_view(params, prefill_precision)
         self.prefill_precision = prefill_precision
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
