@@ -601,7 +601,12 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t N = xd[0], C = xd[1], l = layer.typed_data()[0];
   std::vector<QArgs> mats(M);
 #if KIVI_VNNI
-  std::vector<Q8Rows> q8rows;  // x rounded to int8, one for each group size of the int8 matrices
+  // x rounded to int8, one for each group size of the int8 matrices (the first q8used of this thread's buffers, kept
+  // between calls: fresh ones cost their page faults every call). A reference, so that the pool's threads read the
+  // calling thread's buffers, not their own thread_local ones
+  thread_local std::vector<Q8Rows> q8store;
+  std::vector<Q8Rows>& q8rows = q8store;
+  size_t q8used = 0;
   std::vector<int> q8of(M, -1);
 #endif
   std::vector<std::vector<float>> xsums(M);
@@ -622,10 +627,10 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 #if KIVI_VNNI
       if (a.G % 4) return ffi::Error::InvalidArgument("qmatmul: int8 activations need groups of a multiple of 4");
       size_t k = 0;
-      while (k < q8rows.size() && q8rows[k].G != a.G) ++k;
-      if (k == q8rows.size()) {
-        q8rows.emplace_back();
-        Q8Rows& r = q8rows.back();
+      while (k < q8used && q8rows[k].G != a.G) ++k;
+      if (k == q8used) {
+        if (q8used == q8rows.size()) q8rows.emplace_back();
+        Q8Rows& r = q8rows[q8used++];
         r.G = a.G, r.NG = a.NG;
         r.q.resize(N * C), r.d.resize(N * a.NG), r.sum.resize(N * a.NG), r.corr.resize(N * a.NG);
       }
@@ -651,7 +656,8 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     first[i + 1] = first[i] + (a.R + ITEM_ROWS - 1) / ITEM_ROWS;
   }
 #if KIVI_VNNI
-  for (Q8Rows& r : q8rows) {  // blocks of 16 rows shared out when there are many
+  for (size_t k = 0; k < q8used; ++k) {  // blocks of 16 rows shared out when there are many
+    Q8Rows& r = q8rows[k];
     const int64_t blocks = (N + 15) / 16;
     const auto quantize = [&](int64_t b) { quantize_rows(x.typed_data(), C, 16 * b, std::min(N, 16 * b + 16), r); };
     if (N > GEMM_ROWS) parallel_for(pool, blocks, quantize);
