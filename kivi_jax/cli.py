@@ -219,14 +219,16 @@ def _run_eval(args, specs: list[str]) -> tuple[dict, dict]:
     try:
         results = evaluate.evaluate(model.params, windows, args.prefill, specs, args.attention_impl, progress,
                                     mesh=args.mesh_obj,
-                                    prefill_precision=getattr(args, "prefill_precision", "float32"))
+                                    prefill_precision=getattr(args, "prefill_precision", "float32"),
+                                    decode_precision=getattr(args, "decode_precision", "float32"))
     finally:
         bar.close()
     header = {"model": args.model, "text": text_name, "text_tokens": int(len(tokens)),
               "window_starts": evaluate.window_starts(len(tokens), args.prefill, args.decode, args.windows, args.split),
               "split": args.split, "prefill": args.prefill, "decode": args.decode, "windows": args.windows,
               "head_dim": model.params.config.head_dim, "num_layers": model.params.config.num_layers,
-              "prefill_precision": getattr(args, "prefill_precision", "float32")}
+              "prefill_precision": getattr(args, "prefill_precision", "float32"),
+              "decode_precision": getattr(args, "decode_precision", "float32")}
     return header, results
 
 
@@ -399,7 +401,7 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
 
 def add_eval_parser(sub) -> None:
     """`kivi-jax eval ppl | ablate | errors | longctx`: quality through the cache (kivi_jax.evaluate, kivi_jax.longctx)."""
-    from kivi_jax.weights import PREFILL_PRECISIONS
+    from kivi_jax.weights import DECODE_PRECISIONS, PREFILL_PRECISIONS
 
     e = sub.add_parser("eval", help="quality through the cache: perplexity, the KIVI ablation, error diagnostics",
                        description="Quality of a cache configuration, measured through the cache (docs/design.md §6).")
@@ -419,6 +421,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--prefill-precision", choices=PREFILL_PRECISIONS, default="float32",
                    help="the operands of the prefill's matmuls for every cache but the reference full (default "
                         "float32; bfloat16 or int8: as `serve --prefill-precision` prefills with them)")
+    p.add_argument("--decode-precision", choices=DECODE_PRECISIONS, default="float32",
+                   help="the operands of the scored decode steps' matmuls for every cache but the reference full "
+                        "(default float32; int8: as `serve --decode-precision int8` decodes)")
     p.set_defaults(func=cmd_eval_ppl)
 
     a = esub.add_parser(

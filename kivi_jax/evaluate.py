@@ -138,6 +138,7 @@ def _decode_steps(params: Params, cache, inputs: jax.Array, targets: jax.Array, 
 def teacher_forced(
     params: Params, windows, prefill: int, spec, ref_logprobs=None, impl: str = "auto",
     progress: Callable[[int], None] | None = None, mesh=None, prefill_precision: str = "float32",
+    decode_precision: str = "float32",
 ) -> dict:
     """Runs one cache spec over `windows [windows, prefill + decode + 1]`.
 
@@ -145,8 +146,8 @@ def teacher_forced(
     of an earlier run: step-major `[decode, windows, vocab]`), this run's `logprobs` when it had no reference, and
     timings: `compile_seconds`, `prefill_seconds`, `decode_seconds` (compilation excluded from both).
     `progress(steps)` is called as decode steps complete. `mesh` (a Mesh or 'data=2,model=4'): params and caches
-    sharded, the windows split over the data axis. `prefill_precision`: the operands of the prefill's matmuls
-    (`weights.prefill_view`; the decode steps stay exact).
+    sharded, the windows split over the data axis. `prefill_precision`, `decode_precision`: the operands of the
+    prefill's and of the scored decode steps' matmuls (`weights.dot_view`).
     """
     spec = parse_cache_spec(spec)
     params = rotation.prepare_params(params, spec)
@@ -173,17 +174,18 @@ def teacher_forced(
     prompts = windows[:, :prefill]
     prompts = jnp.asarray(prompts) if mesh is None else sharding.put_batch(prompts, mesh)
     with sharding.use_mesh(mesh):
-        prefill_params = weights.prefill_view(params, prefill_precision)
+        prefill_params = weights.dot_view(params, prefill_precision)
+        decode_params = weights.dot_view(params, decode_precision, "decode")
         run_prefill = _prefill.lower(prefill_params, prompts, spec, max_tokens, impl, mesh).compile()
         cache_shape = jax.eval_shape(lambda p, w: _prefill(p, w, spec, max_tokens, impl, mesh), params, prompts)
         if mesh is not None:
             cache_shape = sharding.abstract_cache(cache_shape, mesh)
-        run_steps = _decode_steps.lower(params, cache_shape, put(inputs[:chunk]), put(targets[:chunk]),
+        run_steps = _decode_steps.lower(decode_params, cache_shape, put(inputs[:chunk]), put(targets[:chunk]),
                                         ref_at(0)).compile()
     t1 = time.perf_counter()
     cache = jax.block_until_ready(run_prefill(prefill_params, prompts))
     t2 = time.perf_counter()
-    _, out = score_steps(params, cache, inputs, targets, ref_logprobs, progress, run_steps, put)
+    _, out = score_steps(decode_params, cache, inputs, targets, ref_logprobs, progress, run_steps, put)
     t3 = time.perf_counter()
     return {**out, "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2}
 
@@ -214,17 +216,19 @@ def score_steps(params: Params, cache, inputs, targets, ref_logprobs=None,
 def evaluate(
     params: Params, windows, prefill: int, specs, impl: str = "auto",
     progress: Callable[[str, int], None] | None = None, mesh=None, prefill_precision: str = "float32",
+    decode_precision: str = "float32",
 ) -> dict:
     """Mean NLL, perplexity, KL vs full, top-1 agreement and decode throughput for each spec (`full` always included,
     first). `progress(spec_name, steps)` is called as decode steps complete; `mesh` as for `teacher_forced`.
-    `prefill_precision` applies to every spec but the reference `full`, whose prefill stays exact."""
+    `prefill_precision` and `decode_precision` apply to every spec but the reference `full`, which stays exact."""
     names = list(dict.fromkeys(spec_name(parse_cache_spec(s)) for s in specs))
     names = [REFERENCE] + [n for n in names if not is_reference(n)]
     results, ref = {}, None
     for name in names:
         tick = None if progress is None else functools.partial(progress, name)
+        exact = is_reference(name)
         out = teacher_forced(params, windows, prefill, name, ref, impl, tick, mesh,
-                             "float32" if is_reference(name) else prefill_precision)
+                             "float32" if exact else prefill_precision, "float32" if exact else decode_precision)
         if is_reference(name):
             ref = out["logprobs"]
         tokens = out["nll"].size

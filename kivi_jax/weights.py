@@ -73,7 +73,7 @@ class QuantizedMatrix:
     offset: int = struct.field(pytree_node=False, default=0)  # subtracted from 4-bit codes (Q4_0, int4s: 8)
     transposed: bool = struct.field(pytree_node=False, default=True)  # a projection W [in, out], M = W.T
     impl: str = struct.field(pytree_node=False, default="auto")
-    dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`prefill_view`)
+    dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`dot_view`)
 
     @property
     def operand_dtype(self) -> str:
@@ -178,7 +178,7 @@ def q8_dot(x: jax.Array, w: "QuantizedMatrix", out_dtype) -> jax.Array:
 
 def bf16_reason(dot_dtype: str) -> str | None:
     """The native kernels compute float32: a matrix whose dot reads bfloat16 operands takes XLA's dot."""
-    return None if dot_dtype == "float32" else f"its dot reads {dot_dtype} operands (prefill_view)"
+    return None if dot_dtype == "float32" else f"its dot reads {dot_dtype} operands (dot_view)"
 
 
 def xla_dot(x: jax.Array, w: jax.Array, spec: str, dot_dtype: str, out_dtype) -> jax.Array:
@@ -291,7 +291,7 @@ class FloatMatrix:
     layer: jax.Array | None = None
     transposed: bool = struct.field(pytree_node=False, default=True)
     impl: str = struct.field(pytree_node=False, default="auto")
-    dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`prefill_view`)
+    dot_dtype: str = struct.field(pytree_node=False, default="float32")  # XLA's dot operands (`dot_view`)
 
     @property
     def operand_dtype(self) -> str:
@@ -364,7 +364,7 @@ def float_matmul_many(x: jax.Array, ws: tuple, out_dtype=None) -> tuple[jax.Arra
 def native_view(params, impl: str = "auto"):
     """`params` with every float32 projection and table seen as a `FloatMatrix` (a view, no copy: for use inside a
     jitted decode step or prefill chunk), so that the native CPU kernel computes their matmuls; other params (and
-    matrices already seen through a view, e.g. `prefill_view`'s bfloat16 ones) as they are. Under a
+    matrices already seen through a view, e.g. `dot_view`'s bfloat16 ones) as they are. Under a
     device mesh `params` as they are: XLA partitions the dots there, and reads each layer's slice of a sharded stack
     through the model's scan (a view indexed at the layer would gather the stack across devices)."""
     from kivi_jax.mesh_scope import active_mesh
@@ -377,7 +377,9 @@ def native_view(params, impl: str = "auto"):
 
 
 PREFILL_PRECISIONS = ("float32", "bfloat16", "int8")
-PREFILL_CHOICES = PREFILL_PRECISIONS + ("auto",)  # what the server's flag takes: 'auto' is `auto_prefill_precision`
+DECODE_PRECISIONS = ("float32", "int8")  # a decode step's (its bfloat16 would be XLA's dot: not offered)
+PREFILL_CHOICES = PREFILL_PRECISIONS + ("auto",)  # what the server's flags take: 'auto' is `auto_precision`
+DECODE_CHOICES = DECODE_PRECISIONS + ("auto",)
 
 
 def takes_int8(w) -> bool:
@@ -385,10 +387,11 @@ def takes_int8(w) -> bool:
     return is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0
 
 
-def auto_prefill_precision(params, mesh=None) -> str:
-    """The server's `--prefill-precision auto`: 'int8' where the params hold matrices that take int8 activations and
-    the native kernel takes them on this CPU (AVX512-VNNI; docs/serving.md measures its speed and its loss), else
-    'float32' (and on a device mesh, where the native kernels do not run and int8 would be XLA's twin)."""
+def auto_precision(params, mesh=None) -> str:
+    """The server's `--prefill-precision auto` and `--decode-precision auto`: 'int8' where the params hold matrices
+    that take int8 activations and the native kernel takes them on this CPU (AVX512-VNNI; docs/serving.md measures
+    its speed and its loss), else 'float32' (and on a device mesh, where the native kernels do not run and int8 would
+    be XLA's twin)."""
     from kivi_jax.native import matmul
 
     if mesh is not None or jax.default_backend() != "cpu":
@@ -397,17 +400,19 @@ def auto_prefill_precision(params, mesh=None) -> str:
     return "int8" if quantized and matmul.int8_matmul() else "float32"
 
 
-def prefill_view(params, precision: str = "float32"):
-    """`params` whose projections and tables dot a prefill chunk with operands rounded to `precision` (float32
-    sums): 'float32' returns them as they are; 'bfloat16' shows float32 weights as `FloatMatrix` and quantized ones
-    as themselves with `dot_dtype='bfloat16'` (views: nothing copied), an approximation for CPUs whose bfloat16 dot
-    is fast (AMX, AVX512-BF16); 'int8' rounds the activations of 4- and 8-bit matrices to int8 per group (`q8_dot`,
-    llama.cpp's Q8 activations, AVX512-VNNI's integer dots), other weights as they are. docs/serving.md measures
-    what each changes. 'auto': `auto_prefill_precision`."""
+def dot_view(params, precision: str = "float32", stage: str = "prefill"):
+    """`params` whose projections and tables dot their activations with operands rounded to `precision` (float32
+    sums), for a prefill chunk (`stage` 'prefill': any of PREFILL_PRECISIONS) or a decode step ('decode':
+    DECODE_PRECISIONS): 'float32' returns them as they are; 'bfloat16' shows float32 weights as `FloatMatrix` and
+    quantized ones as themselves with `dot_dtype='bfloat16'` (views: nothing copied), an approximation for CPUs whose
+    bfloat16 dot is fast (AMX, AVX512-BF16); 'int8' rounds the activations of 4- and 8-bit matrices to int8 per group
+    (`q8_dot`, llama.cpp's Q8 activations, AVX512-VNNI's integer dots), other weights as they are. docs/serving.md
+    measures what each changes. 'auto': `auto_precision`."""
+    choices = {"prefill": PREFILL_PRECISIONS, "decode": DECODE_PRECISIONS}[stage]
     if precision == "auto":
-        precision = auto_prefill_precision(params)
-    if precision not in PREFILL_PRECISIONS:
-        raise ValueError(f"prefill precision {precision!r} is not one of {', '.join(PREFILL_PRECISIONS)}")
+        precision = auto_precision(params)
+    if precision not in choices:
+        raise ValueError(f"{stage} precision {precision!r} is not one of {', '.join(choices)}")
     if precision == "float32":
         return params
     if precision == "int8":

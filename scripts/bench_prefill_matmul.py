@@ -1,6 +1,6 @@
 """A prompt's prefill with the projections in the native kernels' packed strips (float32 weights, or the GGUF's own
 blocks with `--weights auto`) against XLA's dot (`--against xla`), or against the native kernel on int8 activations
-(`--against int8`: `weights.prefill_view(params, "int8")`, quantized weights only), in one process, the two
+(`--against int8`: `weights.dot_view(params, "int8")`, quantized weights only), in one process, the two
 interleaved (docs/kernels.md "Float weights", "Quantized weights"; docs/serving.md "Run 23", "An int8 prefill"):
 each round prefills new random tokens both ways (chunks of 512) onto a fresh cache; the first round compiles and is
 not counted. Prints JSON (each counted round's milliseconds, the medians' ratio, prompt tokens/s, the largest logit
@@ -31,7 +31,7 @@ def chunk(params, tokens, num_new, cache, arm: str):
     if arm == "xla":
         view = weights.with_impl(params, "xla")
     else:
-        view = weights.native_view(weights.prefill_view(params, "int8") if arm == "int8" else params)
+        view = weights.native_view(weights.dot_view(params, "int8") if arm == "int8" else params)
     logits, cache = forward(view, tokens, cache, num_new=num_new, logits_at=num_new - 1)
     return logits[:, 0], cache
 

@@ -11,6 +11,9 @@ L prompts of `--context` tokens (batched prefill), then, each the median of `--s
 - `sampling`: the per-row choice (`runtime.choose`, greedy rows) over logits `[L, vocab]`;
 - `attention` = device - weights - sampling (the cache's attention over `--context` tokens and its commit);
 - `host` = step - device (building the inputs, the call's dispatch, reading the tokens).
+With `--against int8`: also the jitted decode call with the params seen at that decode precision
+(`weights.dot_view(params, "int8", "decode")`, `serve --decode-precision int8`), timed alternately with the float32
+call in the same process (`device_int8_ms`, and the ratio to the float32 call's median of the same rounds).
 With `--slots S`: also the whole step of an engine of S slots holding L live sequences, in one bucketed group (only
 the live rows computed, padded to a power of two), in bucketed groups of 16, and in unbucketed groups of 16
 (`Engine(buckets=False)`, what a CPU server ran before buckets), each the median of `--steps`.
@@ -82,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512, help="prompt tokens a sequence holds (default 512)")
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--slots", type=int, default=0, help="also time an engine of this many slots (0: not)")
+    p.add_argument("--against", default=None, choices=("int8",),
+                   help="also time the decode call at this decode precision, alternating with float32's")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
 
     import kivi_jax
     from kivi_jax.models.decoder import forward
-    from kivi_jax import runtime
+    from kivi_jax import runtime, weights
     from kivi_jax.serve import engine as E
     from kivi_jax.sampling import Sampling, row_settings
 
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
     choose = jax.jit(runtime.choose)
     rows_out = []
     for live in [int(x) for x in args.live.split(",")]:
-        max_length = -(-(args.context + 4 * args.steps + 8) // 256) * 256
+        max_length = -(-(args.context + 6 * args.steps + 12) // 256) * 256  # every call below adds a token a row
         eng = E.Engine(params, args.cache, slots=live, decode_group=live, max_length=max_length, prefix_reuse=False)
         fill(eng, [rng.randint(3, cfg.vocab_size, args.context).tolist() for _ in range(live)])
         step = median_time(eng.step, args.steps)
@@ -114,14 +119,28 @@ def main(argv=None) -> int:
         tokens = put(np.full(live, 5, np.int32))
         state = {"cache": eng.caches[0], "keys": eng.keys[0]}
 
-        def device():
-            out, state["cache"] = runtime.decode_step(eng.params, tokens, put(np.ones(live, bool)), state["cache"],
+        def device(step_params=eng.params):
+            out, state["cache"] = runtime.decode_step(step_params, tokens, put(np.ones(live, bool)), state["cache"],
                                                       state["keys"], temperature, top_k, top_p, zeros_b, zeros_i,
                                                       zeros_b, eng.no_mask[0], zeros_b)
             state["keys"] = out.keys
             out.tokens.block_until_ready()
 
         dev = median_time(device, args.steps)
+        against = {}
+        if args.against:  # the two arms alternately, each round one call of each
+            arms = {"float32": eng.params, args.against: weights.dot_view(eng.params, args.against, "decode")}
+            times = {arm: [] for arm in arms}
+            for p_arm in arms.values():
+                device(p_arm)  # compile / warm
+            for _ in range(args.steps):
+                for arm, p_arm in arms.items():
+                    t0 = time.perf_counter()
+                    device(p_arm)
+                    times[arm].append(time.perf_counter() - t0)
+            alt = {arm: statistics.median(ts) for arm, ts in times.items()}
+            against = {f"device_{args.against}_ms": round(alt[args.against] * 1e3, 2),
+                       f"{args.against}_vs_float32": round(alt[args.against] / alt["float32"], 3)}
         one = put(np.full((live, 1), 5, np.int32))
         w = median_time(lambda: weights_fn(eng.params, one)[0].block_until_ready(), args.steps)
         logits = put(rng.randn(live, cfg.vocab_size).astype(np.float32))
@@ -132,7 +151,7 @@ def main(argv=None) -> int:
         row = {"live": live, "context": args.context, "step_ms": round(step * 1e3, 2), "device_ms": round(dev * 1e3, 2),
                "weights_ms": round(w * 1e3, 2), "sampling_ms": round(s * 1e3, 2),
                "attention_ms": round((dev - w - s) * 1e3, 2), "host_ms": round((step - dev) * 1e3, 2),
-               "tokens_per_s": round(live / step, 1), "mlp_dot_gflops": round(rate, 1)}
+               "tokens_per_s": round(live / step, 1), "mlp_dot_gflops": round(rate, 1), **against}
         rows_out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     engine_rows = []
@@ -151,7 +170,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     out = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
            "jax": jax.__version__, "model": args.model, "weights": args.weights, "dtype": args.dtype,
-           "cache": args.cache,
+           "cache": args.cache, "against": args.against,
            "peak_matmul_gflops_1024": round(peak, 1), "copy_gb_per_s": round(bw, 2), "rows": rows_out,
            "engine": engine_rows}
     print("| live | step ms | device | weights | attention | sampling | host | tokens/s | MLP dot GFLOP/s |")

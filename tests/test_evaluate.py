@@ -278,3 +278,20 @@ def test_a_bfloat16_prefill_changes_the_cache_it_leaves_a_little_and_never_the_r
     assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
     with pytest.raises(ValueError, match="prefill precision"):
         evaluate.evaluate(params, windows, PREFILL, [spec], prefill_precision="float16")
+
+
+def test_an_int8_decode_moves_a_quantized_models_scores_and_never_the_references(params, windows, full_run):
+    """`decode_precision='int8'` on quantized weights: the reference `full` still decodes exactly (its NLL is the
+    exact run's to the bit), a KIVI spec's scored decode steps dot int8-rounded activations (its NLL moves, within
+    int8's rounding: the native kernel and XLA's twin round alike), and bfloat16 is refused for decode steps."""
+    from kivi_jax import weights
+
+    spec = "k2v2-g8-r16-sf32"
+    quantized = weights.convert_params(params, "int8")
+    exact = evaluate.evaluate(quantized, windows, PREFILL, [spec])
+    rounded = evaluate.evaluate(quantized, windows, PREFILL, [spec], decode_precision="int8")
+    np.testing.assert_array_equal(rounded["full"]["nll_per_window"], exact["full"]["nll_per_window"])
+    got, want = np.asarray(rounded[spec]["nll_per_window"]), np.asarray(exact[spec]["nll_per_window"])
+    assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    with pytest.raises(ValueError, match="decode precision"):
+        evaluate.evaluate(params, windows, PREFILL, [spec], decode_precision="bfloat16")

@@ -326,6 +326,38 @@ def test_an_auto_prefill_precision_rounds_quantized_activations_where_the_cpu_ha
     assert floats.prefill_precision == "float32" and floats.prefill_params is floats.params
 
 
+def test_an_int8_decode_precision_rounds_the_decode_steps_only(model):
+    """`decode_precision='int8'` (`serve --decode-precision int8`): every decode step dots int8-rounded activations
+    of the quantized weights (a step's log-probabilities within int8's rounding of the exact engine's, and not equal
+    where the native kernel takes int8), the prompt's prefill stays exact; 'auto' resolves as the prefill's does;
+    bfloat16 is refused for decode steps."""
+    from kivi_jax.native import matmul
+
+    quantized = kivi_jax.weights.convert_params(model.params, "int8")  # 8-bit codes, a group a row
+    exact = Engine(quantized, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64)
+    rounded = Engine(quantized, SPEC, slots=2, max_length=MAX_LENGTH, prefill_chunk=64, decode_precision="int8")
+    assert rounded.prefill_params is rounded.params and rounded.decode_params is not rounded.params
+    prompt = prompts(23, [40])[0]
+    firsts, steps = [], []
+    for e in (exact, rounded):
+        admitted = e.admit_choices(prompt, [Sampling(0.0)], logprobs=True)
+        firsts.append(admitted.first[0])
+        steps.append([e.step_scored()[admitted.slots[0]] for _ in range(3)])
+    assert firsts[0] == firsts[1]  # the same exact prefill
+    int8 = matmul.int8_matmul()
+    for want, got in zip(*steps):
+        assert want.token == got.token  # greedy on a random tiny model: no near tie in three steps
+        w, g = np.array([lp for _, lp in want.top]), np.array([lp for _, lp in got.top])
+        assert np.abs(g - w).max() <= 5e-2 * np.abs(w).max()
+        assert (np.abs(g - w).max() > 0) == int8
+    auto = Engine(quantized, SPEC, slots=2, max_length=MAX_LENGTH, decode_precision="auto")
+    assert auto.decode_precision == ("int8" if int8 else "float32")
+    floats = Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, decode_precision="auto")
+    assert floats.decode_precision == "float32" and floats.decode_params is floats.params
+    with pytest.raises(ValueError, match="decode precision 'bfloat16'"):
+        Engine(model.params, SPEC, slots=2, max_length=MAX_LENGTH, decode_precision="bfloat16")
+
+
 def test_a_bfloat16_prefill_is_close_and_only_the_prefill(model):
     """`prefill_precision='bfloat16'`: a prompt's prefill logits within bfloat16 rounding of the exact engine's (and
     not equal: its matmuls did round), the decode steps of both engines run the same exact program, and another

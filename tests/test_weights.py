@@ -191,15 +191,15 @@ def test_native_view_takes_float32_decode_steps_and_prefill_projections():
 
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4-g32"])
 def test_prefill_view_dots_in_bfloat16_close_to_float32(fmt):
-    """`prefill_view(params, 'bfloat16')`: every projection and the head dot bfloat16 operands with float32 sums (the
+    """`dot_view(params, 'bfloat16')`: every projection and the head dot bfloat16 operands with float32 sums (the
     lowered program's dots read bf16), never the float32 native kernels even for a short chunk, and the logits stay
     within bfloat16 rounding of the float32 model's; 'float32' changes nothing; another precision is refused."""
     params = init_params(tiny_cfg(), jax.random.PRNGKey(0))
     params = params if fmt == "float32" else weights.convert_params(params, fmt)
-    view = weights.prefill_view(params, "bfloat16")
-    assert weights.prefill_view(params, "float32") is params
+    view = weights.dot_view(params, "bfloat16")
+    assert weights.dot_view(params, "float32") is params
     with pytest.raises(ValueError, match="prefill precision"):
-        weights.prefill_view(params, "float16")
+        weights.dot_view(params, "float16")
     f = jax.jit(lambda p, t: forward(p, t, kivi_jax.make_cache("kivi2", p.config, 2, 256))[0])
     for n in (16, 96):  # 32 and 192 rows: a short chunk would otherwise take the native kernel
         tokens = jnp.asarray(np.random.default_rng(n).integers(0, 96, (2, n)), jnp.int32)
@@ -254,20 +254,20 @@ def test_int8_activations_native_equals_the_twin(fmt, rows, cols):
 
 
 def test_prefill_view_int8_rounds_quantized_activations_only(monkeypatch):
-    """`prefill_view(params, 'int8')`: 4- and 8-bit matrices dot x rounded to int8 (the native kernel where the CPU
+    """`dot_view(params, 'int8')`: 4- and 8-bit matrices dot x rounded to int8 (the native kernel where the CPU
     has VNNI, in the lowered program), float weights stay as they are; a tiny model's logits stay within int8's
     rounding of the float32 prefill's, the native and XLA paths agree but for a rare code rounded apart."""
     from kivi_jax.native import matmul
 
     params = weights.convert_params(init_params(tiny_cfg(), jax.random.PRNGKey(0)), "int4-g32")
-    view = weights.prefill_view(params, "int8")
+    view = weights.dot_view(params, "int8")
     fmts = {name: w.dot_dtype for name, w, _ in weights._quantizable(view) if weights.is_quantized(w)}
     assert fmts and set(fmts.values()) == {"int8"}
     floats = init_params(tiny_cfg(), jax.random.PRNGKey(0))
-    assert weights.prefill_view(floats, "int8") is floats  # nothing quantized: nothing to round
+    assert weights.dot_view(floats, "int8") is floats  # nothing quantized: nothing to round
     # the server's `auto`: int8 where the kernel takes it, float32 for float weights or without VNNI
-    assert weights.auto_prefill_precision(params) == ("int8" if matmul.int8_matmul() else "float32")
-    assert weights.auto_prefill_precision(floats) == "float32" and weights.prefill_view(floats, "auto") is floats
+    assert weights.auto_precision(params) == ("int8" if matmul.int8_matmul() else "float32")
+    assert weights.auto_precision(floats) == "float32" and weights.dot_view(floats, "auto") is floats
     f = jax.jit(lambda p, t: forward(p, t, kivi_jax.make_cache("kivi2", p.config, 2, 256))[0])
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 96)), jnp.int32)
     text = f.lower(view, tokens).as_text()
@@ -398,7 +398,7 @@ def test_a_bfloat16_models_chunks_attend_in_bfloat16_and_its_decode_steps_do_not
     params = init_params(tiny_cfg(tie_word_embeddings=False), jax.random.PRNGKey(3), std=0.1)
     half = weights.convert_params(params, "bfloat16", jnp.float32)
     assert seam.dots_in_bfloat16(half.layers) and not seam.dots_in_bfloat16(params.layers)
-    assert seam.dots_in_bfloat16(weights.prefill_view(params, "bfloat16").layers)
+    assert seam.dots_in_bfloat16(weights.dot_view(params, "bfloat16").layers)
     assert seam.dots_in_bfloat16(weights.convert_params(params, "bfloat16").layers)
     assert not seam.dots_in_bfloat16(weights.convert_params(params, "int8").layers)
     toks = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 70)))

@@ -14,7 +14,7 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     from kivi_jax.cli_args import integer
     from kivi_jax.serve.engine import CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS
     from kivi_jax.serve.scheduler import STEP_PREFILL_TOKENS
-    from kivi_jax.weights import PREFILL_CHOICES
+    from kivi_jax.weights import DECODE_CHOICES, PREFILL_CHOICES
 
     add_model_args(p)
     add_cache_args(p, cache_default)
@@ -64,8 +64,13 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "activations of 4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.7x faster "
                         "prefill on a CPU with AVX512-VNNI; it flips near-tied greedy tokens); bfloat16 rounds both "
                         "operands (1.4-1.9x faster with AMX); auto: int8 where the weights are quantized and the CPU "
-                        "has VNNI, else float32. docs/serving.md measures speed and loss; decode steps and scored "
-                        "prompts stay float32")
+                        "has VNNI, else float32. docs/serving.md measures speed and loss; decode steps (see "
+                        "--decode-precision) and scored prompts stay float32")
+    p.add_argument("--decode-precision", choices=DECODE_CHOICES, default="float32",
+                   help="the operands of every decode step's matmuls: float32 (default, exact); int8 rounds the "
+                        "activations of 4- and 8-bit weights to int8 per group, as --prefill-precision int8 does "
+                        "(a step of 16-32 rows 0.75-0.83x the time on a CPU with AVX512-VNNI; a scored prompt's "
+                        "forced tokens too); auto: int8 where the weights are quantized and the CPU has VNNI")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every prefill shape and decode bucket before serving (about 1-3 s each on a 2-core "
                         "CPU, which requests would otherwise wait; default: on for `serve`, off for `bench serve`)")
@@ -129,7 +134,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         paged=getattr(args, "paged", False), grow=not getattr(args, "reserve_pages", False),
                         prefix_snapshots=getattr(args, "prefix_snapshots", 0),
                         warmup=warmup if getattr(args, "warmup", None) is None else args.warmup,
-                        prefill_precision=getattr(args, "prefill_precision", "float32"))
+                        prefill_precision=getattr(args, "prefill_precision", "float32"),
+                        decode_precision=getattr(args, "decode_precision", "float32"))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -349,6 +349,7 @@ class Engine:
         grow: bool = True,
         prefix_snapshots: int = 0,
         prefill_precision: str = "float32",
+        decode_precision: str = "float32",
     ):
         cfg = params.config
         if pages is not None and mesh is not None:  # heads split over model, every page on every device
@@ -393,12 +394,15 @@ class Engine:
         if mesh is not None:
             params = sharding.shard_params(params, mesh)
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
-        # A plain prompt's prefill dots with operands rounded to `prefill_precision` (weights.prefill_view); a scored
-        # prompt's and every decode step's stay exact
+        # A plain prompt's prefill dots with operands rounded to `prefill_precision`, every decode step (a scored
+        # prompt's forced tokens too) with `decode_precision` (weights.dot_view); a scored prompt's prefill is exact
         if prefill_precision == "auto":
-            prefill_precision = weights.auto_prefill_precision(params, mesh)
-        self.prefill_params = weights.prefill_view(params, prefill_precision)
-        self.prefill_precision = prefill_precision
+            prefill_precision = weights.auto_precision(params, mesh)
+        if decode_precision == "auto":
+            decode_precision = weights.auto_precision(params, mesh)
+        self.prefill_params = weights.dot_view(params, prefill_precision)
+        self.decode_params = weights.dot_view(params, decode_precision, "decode")
+        self.prefill_precision, self.decode_precision = prefill_precision, decode_precision
         self.num_slots, self.max_length, self.prefill_chunk = slots, max_length, prefill_chunk
         # Batched prefill: several prompts a call, rows x width within the token budget; on a mesh one at a time (a
         # one-sequence cache is whole on every data shard)
@@ -1068,7 +1072,7 @@ class Engine:
         bitmask, _ = self._masks(rows, constrained, None if self.buckets else g)
         with sharding.use_mesh(self.mesh):
             chosen, self.caches[g] = decode_step(
-                self.params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
+                self.decode_params, self._put(tokens), self._put(mask), self.caches[g], self.keys[g],
                 *row_settings(sampling, self._put), self._put(forced), self._put(forced_next),
                 self._put(np.array(constrained)), bitmask, self._put(wanted),
                 jnp.asarray(np.array(picked, np.int32)) if self.buckets else None)

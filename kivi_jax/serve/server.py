@@ -36,6 +36,12 @@ def default_max_length(spec, cfg) -> int:
     return n - n % spec.token_multiple
 
 
+def precisions(engine) -> str:
+    """The start line's note of a prefill or decode precision other than float32 ('' when both are)."""
+    return "".join(f"; {stage} precision {p}" for stage, p in
+                   (("prefill", engine.prefill_precision), ("decode", engine.decode_precision)) if p != "float32")
+
+
 @dataclasses.dataclass
 class Server:
     engine: Engine
@@ -65,8 +71,7 @@ class Server:
                     + ("pages taken as sequences grow, the newest request preempted when the pool runs out" if e.grow
                        else "pages reserved for prompt and max_tokens at admission")
                     + (f"; up to {e.prefix_snapshots} prefix snapshots shared" if e.prefix_snapshots else "")
-                    + (f"; prefill precision {e.prefill_precision}" if e.prefill_precision != "float32"
-                       else ""))
+                    + precisions(e))
         line = (f"cache {e.spec_name}: {e.num_slots} slots of {e.max_length} tokens, "
                 f"{format_bytes(e.slot_bytes)} a slot, {format_bytes(e.cache_bytes)} in all")
         full = c["full"]
@@ -80,8 +85,7 @@ class Server:
         if e.prefill_batch > 1:
             line += f", up to {e.prefill_batch} a call within {e.prefill_tokens} tokens"
         line += f", up to {self.scheduler.step_prefill_tokens} tokens between two decode steps"
-        if e.prefill_precision != "float32":
-            line += f"; prefill precision {e.prefill_precision}"
+        line += precisions(e)
         if len(e.groups) > 1:
             line += f"; decoded in {len(e.groups)} groups of up to {e.groups[0][1]} slots"
         line += f"; prefix reuse {'on' if e.prefix_reuse else 'off'}"
@@ -95,7 +99,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
                  prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32",
-                 step_prefill_tokens: int = STEP_PREFILL_TOKENS) -> Server:
+                 decode_precision: str = "float32", step_prefill_tokens: int = STEP_PREFILL_TOKENS) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -106,8 +110,9 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     taken as it grows, the newest preempted when the pool runs out (else all at admission); `prefix_snapshots`:
     prompt prefixes kept for sharing (paged). `warmup`: the engine compiles its prefill shapes and decode buckets
     before the server is returned (`Engine.warm_up`; its result in `capacity["warmup"]`). `prefill_precision`:
-    the operands of a prompt's prefill matmuls (`weights.prefill_view`; 'int8', or 'auto': int8 activations for
-    quantized weights on a CPU with VNNI, else float32). `step_prefill_tokens`:
+    the operands of a prompt's prefill matmuls (`weights.dot_view`; 'int8', or 'auto': int8 activations for
+    quantized weights on a CPU with VNNI, else float32); `decode_precision`: every decode step's (float32, int8 or
+    auto). `step_prefill_tokens`:
     the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`)."""
     check_serve_extra()
     from kivi_jax.serve import http
@@ -127,7 +132,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
         engine = Engine(params, spec, slots=capacity["slots"], max_length=max_length, prefill_chunk=prefill_chunk,
                         attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
                         prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow,
-                        prefix_snapshots=prefix_snapshots, prefill_precision=prefill_precision)
+                        prefix_snapshots=prefix_snapshots, prefill_precision=prefill_precision,
+                        decode_precision=decode_precision)
         if warmup:
             capacity["warmup"] = engine.warm_up()
         scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
@@ -151,7 +157,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     capacity["slots"] = slots
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
-                    prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision)
+                    prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision,
+                    decode_precision=decode_precision)
     if warmup:
         capacity["warmup"] = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
