@@ -280,7 +280,7 @@ def test_a_bfloat16_prefill_changes_the_cache_it_leaves_a_little_and_never_the_r
         evaluate.evaluate(params, windows, PREFILL, [spec], prefill_precision="float16")
 
 
-def test_an_int8_decode_moves_a_quantized_models_scores_and_never_the_references(params, windows, full_run):
+def test_an_int8_decode_moves_a_quantized_models_scores_and_never_the_references(params, windows):
     """`decode_precision='int8'` on quantized weights: the reference `full` still decodes exactly (its NLL is the
     exact run's to the bit), a KIVI spec's scored decode steps dot int8-rounded activations (its NLL moves, within
     int8's rounding: the native kernel and XLA's twin round alike), and bfloat16 is refused for decode steps."""
