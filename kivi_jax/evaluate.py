@@ -229,7 +229,7 @@ def evaluate(
         exact = is_reference(name)
         out = teacher_forced(params, windows, prefill, name, ref, impl, tick, mesh,
                              "float32" if exact else prefill_precision, "float32" if exact else decode_precision)
-        if is_reference(name):
+        if exact:
             ref = out["logprobs"]
         tokens = out["nll"].size
         results[name] = {

@@ -383,8 +383,10 @@ DECODE_CHOICES = DECODE_PRECISIONS + ("auto",)
 
 
 def takes_int8(w) -> bool:
-    """Whether a matrix may dot int8 activations (`q8_dot`): 4- or 8-bit codes in groups of a multiple of 4."""
-    return is_quantized(w) and w.bits in (4, 8) and w.group % 4 == 0
+    """Whether a matrix may dot int8 activations (`q8_dot`): quantized, with codes `native.matmul.takes_int8` takes."""
+    from kivi_jax.native import matmul
+
+    return is_quantized(w) and matmul.takes_int8(w.bits, w.group)
 
 
 def auto_precision(params, mesh=None) -> str:
@@ -400,6 +402,11 @@ def auto_precision(params, mesh=None) -> str:
     return "int8" if quantized and matmul.int8_matmul() else "float32"
 
 
+def resolve_precision(precision: str, params, mesh=None) -> str:
+    """`precision` as a prefill or decode runs it: 'auto' becomes `auto_precision(params, mesh)`, others stay."""
+    return auto_precision(params, mesh) if precision == "auto" else precision
+
+
 def dot_view(params, precision: str = "float32", stage: str = "prefill"):
     """`params` whose projections and tables dot their activations with operands rounded to `precision` (float32
     sums), for a prefill chunk (`stage` 'prefill': any of PREFILL_PRECISIONS) or a decode step ('decode':
@@ -409,8 +416,7 @@ def dot_view(params, precision: str = "float32", stage: str = "prefill"):
     (`q8_dot`, llama.cpp's Q8 activations, AVX512-VNNI's integer dots), other weights as they are. docs/serving.md
     measures what each changes. 'auto': `auto_precision`."""
     choices = {"prefill": PREFILL_PRECISIONS, "decode": DECODE_PRECISIONS}[stage]
-    if precision == "auto":
-        precision = auto_precision(params)
+    precision = resolve_precision(precision, params)
     if precision not in choices:
         raise ValueError(f"{stage} precision {precision!r} is not one of {', '.join(choices)}")
     if precision == "float32":

@@ -35,12 +35,16 @@ def int8_matmul() -> bool:
     return lib is not None and bool(lib.kivi_jax_int8_matmul())
 
 
+def takes_int8(bits: int, group: int) -> bool:
+    """Whether codes of `bits` bits in groups of `group` columns may dot int8 activations (`weights.q8_dot`): 4 or
+    8 bits, groups a multiple of 4 (the kernel's dots take four columns at a time)."""
+    return bits in BITS and group % 4 == 0
+
+
 def unsupported(w, rows: int, x_dtype) -> str | None:
     """Why the native kernel cannot compute `x M^T` for this matrix and `rows` activation rows, or None."""
     if w.dot_dtype == "int8":
-        from kivi_jax.weights import takes_int8
-
-        if not takes_int8(w):
+        if not takes_int8(w.bits, w.group):
             return f"int8 activations need 4- or 8-bit codes in groups of a multiple of 4, not {w.bits}-bit, {w.group}"
         if not int8_matmul():
             return "int8 activations need AVX512-VNNI (this build has none)"

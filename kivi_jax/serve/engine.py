@@ -396,10 +396,8 @@ class Engine:
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         # A plain prompt's prefill dots with operands rounded to `prefill_precision`, every decode step (a scored
         # prompt's forced tokens too) with `decode_precision` (weights.dot_view); a scored prompt's prefill is exact
-        if prefill_precision == "auto":
-            prefill_precision = weights.auto_precision(params, mesh)
-        if decode_precision == "auto":
-            decode_precision = weights.auto_precision(params, mesh)
+        prefill_precision = weights.resolve_precision(prefill_precision, params, mesh)
+        decode_precision = weights.resolve_precision(decode_precision, params, mesh)
         self.prefill_params = weights.dot_view(params, prefill_precision)
         self.decode_params = weights.dot_view(params, decode_precision, "decode")
         self.prefill_precision, self.decode_precision = prefill_precision, decode_precision
