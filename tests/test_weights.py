@@ -228,13 +228,14 @@ def test_q8_rows_round_each_group_to_int8():
 @pytest.mark.parametrize("fmt, rows, cols", NATIVE_CASES)
 def test_int8_activations_native_equals_the_twin(fmt, rows, cols):
     """`dot_dtype='int8'` (a prefill view's): the twin `q8_dot` is the dequantized matrix times x rounded to int8 per
-    group, and the native kernel (AVX512-VNNI) equals the twin at every row count (tiles of 6 rows, blocks of 512
-    rows: counts that are multiples of neither), columns that are whole 64s of its register transpose or not."""
+    group, and the native kernel (AVX512-VNNI) equals the twin at every row count (1-4 rows against 32-column groups
+    weight row by weight row; tiles of 6 rows, blocks of 512 rows: counts that are multiples of neither), columns that
+    are whole 64s of its register transpose or not (an odd number of 32-column groups: a lone last group)."""
     from kivi_jax.native import matmul
 
     w = random_matrix(fmt, rows, cols, layers=3, seed=rows).replace(dot_dtype="int8")
     f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
-    for batch in (1, 5, 64, 65, 131, 523):
+    for batch in (1, 2, 3, 4, 5, 64, 65, 131, 523):
         x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, cols)), jnp.float32)
         ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))
         q, d, _ = weights.q8_rows(x, w.group)

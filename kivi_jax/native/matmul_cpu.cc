@@ -359,7 +359,7 @@ void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KIVI_VNNI 1
-// ---- int8 activations (a prefill with dot_dtype "int8"): y = x M^T with x rounded to int8 per group ----
+// ---- int8 activations (dot_dtype "int8", a prefill chunk or a decode step): y = x M^T, x rounded to int8 per group
 // The contract is kivi_jax.weights.q8_dot: each activation row's group g of G columns becomes q = round(x * (127 /
 // amax)) with scale d = amax / 127 (amax its largest magnitude), as llama.cpp's Q8 activations; then y[n, r] =
 // Σ_g scale[r, g] d[n, g] Σ_{c in g} code[r, c] q[n, c] (exact int32 sums) + Σ_g (min - offset * scale)[r, g] d[n,
@@ -367,10 +367,13 @@ void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
 // AVX512-VNNI's u8 x s8 dot of four columns: the codes as the unsigned operand (4-bit as they are; 8-bit codes +
 // 128, the excess taken out of the int32 sum as -128 Σ q, a per-group term of the activations), a strip of Q8_NR
 // weight rows interleaved four codes a row ([C / 4][Q8_NR] dwords), Q8_MR activation rows broadcast four bytes at
-// a time.
+// a time; or, for a decode step's few rows, each weight row's codes as they are stored (`q8_row_dots`).
 
 constexpr int Q8_MR = 6;       // activation rows a tile holds: 12 int32 and 12 float accumulators
 constexpr int64_t Q8_NR = 32;  // weight rows of a strip: two vectors
+
+constexpr int64_t Q8_ROW_ROWS = 4;  // activation rows up to which 32-column groups go weight row by weight row
+// (`q8_row_dots`: packing a strip costs more than its dots for so few)
 
 struct Q8Rows {  // activations rounded to int8 for one group size
   int64_t G = 0, NG = 0;
@@ -378,6 +381,7 @@ struct Q8Rows {  // activations rounded to int8 for one group size
   std::vector<float> d;       // [N, NG] the groups' scales
   std::vector<float> sum;     // [N, NG] the groups' sums of x rounded: d Σ q
   std::vector<int32_t> corr;  // [N, NG] -128 Σ q (for signed codes)
+  line_vector<int32_t> quad;  // [N, C / 4] -128 Σ q over each four columns (signed codes, `q8_row_dots`), or empty
 };
 
 // Rows [n0, n1) of x [N, C] rounded to int8 in groups of G columns (G a multiple of 4) into r.
@@ -412,7 +416,104 @@ void quantize_rows(const float* x, int64_t C, int64_t n0, int64_t n1, Q8Rows& r)
       r.d[n * NG + g] = d;
       r.sum[n * NG + g] = (float)qsum * d;
       r.corr[n * NG + g] = -128 * qsum;
+      if (r.quad.empty()) continue;
+      int32_t* quad = r.quad.data() + (n * C + g * G) / 4;
+      for (int64_t k = 0; k < G / 4; ++k) quad[k] = -128 * (qg[4 * k] + qg[4 * k + 1] + qg[4 * k + 2] + qg[4 * k + 3]);
     }
+}
+
+// Scales (or mins) g .. g + 15 of a row from element i of base as float lanes, zero past the mask's groups.
+inline __m512 scales16(const void* base, int64_t i, __mmask16 m, ScaleType st) {
+  if (st == F32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i);
+  if (st == F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Weight row r of 32-column groups against NT activation rows n0 .. of q (a decode step's few rows), its codes read
+// in place: 64 columns (two groups) at a time as one vector of unsigned codes (4-bit: a group's low and high nibbles
+// in column order; 8-bit: + 128, the excess taken out by starting the int32 sums at `quad`), VNNI's u8 x s8 dot into
+// 16 int32 lanes of four columns each (lanes 0-7 the first group, 8-15 the second), then into float accumulators
+// times each lane's scale[r, g] d[n, g]; the mins' part (MINS) sixteen groups at a time. The same sums as the
+// strips' `q8_tile`, added in another order.
+template <int BITS, int NT, bool MINS>
+void q8_row_dots(const QArgs& a, const Q8Rows& q, int64_t r, int64_t n0, float* dots) {
+  constexpr int64_t G = 32;
+  const int64_t C = a.C, NG = a.NG;
+  const uint8_t* row = a.codes + r * (C * BITS / 8);
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  // lane -> group of two
+  const __m512i low = _mm512_set1_epi8(0xF), excess = _mm512_set1_epi8((char)0x80);
+  __m512 acc[NT], acc_min[NT];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) acc[t] = acc_min[t] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < NG; g0 += 16) {
+    const int ng = (int)std::min<int64_t>(16, NG - g0);
+    const __mmask16 gm = (__mmask16)((1u << ng) - 1);
+    const __m512 s = scales16(a.scale, r * NG + g0, gm, a.st);
+    __m512 sd[NT];  // scale[r, g] d[n, g] for the sixteen groups
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) sd[t] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(gm, q.d.data() + (n0 + t) * NG + g0));
+    if (MINS) {
+      __m512 mf = _mm512_mul_ps(s, _mm512_set1_ps((float)-a.offset));
+      if (a.mn) mf = _mm512_add_ps(scales16(a.mn, r * NG + g0, gm, a.st), mf);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t)
+        acc_min[t] = _mm512_fmadd_ps(mf, _mm512_maskz_loadu_ps(gm, q.sum.data() + (n0 + t) * NG + g0), acc_min[t]);
+    }
+    for (int k = 0; k < ng; k += 2) {  // groups g0 + k and g0 + k + 1 (the last alone when ng is odd)
+      const bool two = k + 1 < ng;
+      const int64_t c0 = (g0 + k) * G;
+      __m512i w;
+      if (BITS == 8) {
+        const __m512i codes = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, row + c0);
+        w = _mm512_xor_si512(codes, excess);
+      } else {
+        const __m256i b = _mm256_maskz_loadu_epi8(two ? ~0u : 0xFFFFu, row + c0 / 2);
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+        // 128-bit lanes: [lo 0, lo 1, hi 0, hi 1] -> [lo 0, hi 0, lo 1, hi 1], the columns in order
+        w = _mm512_and_si512(_mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)), low);
+      }
+      const __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(k));
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const int64_t n = n0 + t;
+        const __m512i x = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, q.q.data() + n * C + c0);
+        const int32_t* quad = q.quad.data() + (n * C + c0) / 4;
+        const __m512i start = BITS == 8 ? _mm512_maskz_loadu_epi32(two ? 0xFFFF : 0xFF, quad) : _mm512_setzero_si512();
+        const __m512i dot = _mm512_dpbusd_epi32(start, w, x);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, sd[t]), acc[t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc_min[t]));
+}
+
+using Q8RowFn = void (*)(const QArgs&, const Q8Rows&, int64_t, int64_t, float*);
+
+template <int BITS, bool MINS>
+Q8RowFn q8_row_of(int nt) {
+  switch (nt) {
+    case 1: return q8_row_dots<BITS, 1, MINS>;
+    case 2: return q8_row_dots<BITS, 2, MINS>;
+    case 3: return q8_row_dots<BITS, 3, MINS>;
+    default: return q8_row_dots<BITS, 4, MINS>;
+  }
+}
+
+// Rows [r0, r1) of y for the call's N <= Q8_ROW_ROWS activation rows (`q8_row_dots`), reading each weight row once.
+void q8_row_item(const QArgs& a, int bits, const Q8Rows& q, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = a.C * bits / 8, scale_bytes = a.NG * (a.st == F32 ? 4 : 2);
+  const bool mins = a.mn || a.offset;
+  const int nt = (int)a.N;
+  const Q8RowFn fn = bits == 8 ? (mins ? q8_row_of<8, true>(nt) : q8_row_of<8, false>(nt))
+                               : (mins ? q8_row_of<4, true>(nt) : q8_row_of<4, false>(nt));
+  float dots[Q8_ROW_ROWS];
+  for (int64_t r = r0; r < r1; ++r) {
+    prefetch_rows(a, r + PREFETCH_ROWS, 1, row_bytes, scale_bytes);
+    fn(a, q, r, 0, dots);
+    for (int t = 0; t < nt; ++t) a.y[t * a.R + r] = dots[t];
+  }
 }
 
 // Weight rows [r0, r0 + n) (n <= Q8_NR) as a strip: their unsigned codes interleaved four a row into wq [C / 4]
@@ -533,6 +634,9 @@ Q8Fn q8_kernel(int mr, bool mins, bool is_signed) {
   return mins ? q8_of<GS, true, false>(mr, seq) : q8_of<GS, false, false>(mr, seq);
 }
 
+// Whether an int8 matrix's call goes weight row by weight row (`q8_row_item`) rather than in packed strips.
+inline bool q8_by_row(const QArgs& a) { return a.N <= Q8_ROW_ROWS && a.G == 32; }
+
 // Output rows [r0, r0 + Q8_NR) (clipped to R) of y [N, R] for activation rows [n0, n1) of r: the strip packed, then
 // every tile of Q8_MR rows (a strip's narrower last tile through a buffer).
 void q8_strip_item(const QArgs& a, int bits, const Q8Rows& r, int64_t r0, int64_t n0, int64_t n1) {
@@ -623,7 +727,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if ((*y)->element_count() != (size_t)(N * a.R)) return ffi::Error::InvalidArgument("qmatmul: y must be [N, R]");
     a.x = x.typed_data();
     a.y = (*y)->typed_data();
-    if (int8[i]) {  // items: a strip of Q8_NR rows of M by a block of GEMM_MB activation rows, whatever N
+    if (int8[i]) {  // items: ITEM_ROWS rows of M (`q8_by_row`), else a strip of Q8_NR rows by GEMM_MB activation rows
 #if KIVI_VNNI
       if (a.G % 4) return ffi::Error::InvalidArgument("qmatmul: int8 activations need groups of a multiple of 4");
       size_t k = 0;
@@ -633,9 +737,15 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
         Q8Rows& r = q8rows[q8used++];
         r.G = a.G, r.NG = a.NG;
         r.q.resize(N * C), r.d.resize(N * a.NG), r.sum.resize(N * a.NG), r.corr.resize(N * a.NG);
+        r.quad.clear();
       }
       q8of[i] = (int)k;
-      first[i + 1] = first[i] + (a.R + Q8_NR - 1) / Q8_NR * ((N + GEMM_MB - 1) / GEMM_MB);
+      if (q8_by_row(a)) {
+        q8rows[k].quad.resize(N * C / 4);
+        first[i + 1] = first[i] + (a.R + ITEM_ROWS - 1) / ITEM_ROWS;
+      } else {
+        first[i + 1] = first[i] + (a.R + Q8_NR - 1) / Q8_NR * ((N + GEMM_MB - 1) / GEMM_MB);
+      }
       continue;
 #else
       return ffi::Error::InvalidArgument("qmatmul: int8 activations need AVX512-VNNI (this build has none)");
@@ -669,6 +779,11 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     while (it >= first[i + 1]) ++i;
     const QArgs& a = mats[i];
 #if KIVI_VNNI
+    if (q8of[i] >= 0 && q8_by_row(a)) {
+      const int64_t r0 = (it - first[i]) * ITEM_ROWS;
+      q8_row_item(a, (int)bits[i], q8rows[q8of[i]], r0, std::min(a.R, r0 + ITEM_ROWS));
+      return;
+    }
     if (q8of[i] >= 0) {
       const int64_t strips = (a.R + Q8_NR - 1) / Q8_NR, local = it - first[i], n0 = local / strips * GEMM_MB;
       q8_strip_item(a, (int)bits[i], q8rows[q8of[i]], local % strips * Q8_NR, n0, std::min(N, n0 + GEMM_MB));

@@ -69,9 +69,8 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     p.add_argument("--decode-precision", choices=DECODE_CHOICES, default="float32",
                    help="the operands of every decode step's matmuls: float32 (default, exact); int8 rounds the "
                         "activations of 4- and 8-bit weights to int8 per group, as --prefill-precision int8 does "
-                        "(a step of 8-64 rows 0.67-0.79x the time on a CPU with AVX512-VNNI, of one row 1.4-1.5x; a "
-                        "scored prompt's forced tokens too); auto: int8 where the weights are quantized and the CPU "
-                        "has VNNI")
+                        "(a step of 1-64 rows 0.67-0.89x the time on a CPU with AVX512-VNNI; a scored prompt's "
+                        "forced tokens too); auto: int8 where the weights are quantized and the CPU has VNNI")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every prefill shape and decode bucket before serving (about 1-3 s each on a 2-core "
                         "CPU, which requests would otherwise wait; default: on for `serve`, off for `bench serve`)")
