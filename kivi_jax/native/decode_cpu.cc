@@ -133,13 +133,18 @@ struct KiviArgs {
   }
 };
 
-// Ring row `row` (in rows of D) as float32: the row itself when the ring is float32, else converted into `buf`
-// (float16 and bfloat16 widen exactly, as the XLA path's `astype(float32)`).
+// Ring row `row` (in rows of D) as D/W float32 vectors (float16 and bfloat16 widen exactly, as the XLA path's
+// `astype(float32)`).
 template <int D>
-inline const float* ring_row(const void* ring, ScaleType t, int64_t row, float* buf) {
-  if (t == F32) return static_cast<const float*>(ring) + row * D;
-  load_scales(ring, row * D, D, t, buf);
-  return buf;
+__attribute__((always_inline)) inline void ring_vectors(const void* ring, ScaleType t, int64_t row, vf* out) {
+  const int64_t i = row * D;
+  if (t == F32) {
+    for (int k = 0; k < D / W; ++k) out[k] = vload(static_cast<const float*>(ring) + i + k * W);
+  } else if (t == F16) {
+    for (int k = 0; k < D / W; ++k) out[k] = scales_at<F16>(ring, i + k * W);
+  } else {
+    for (int k = 0; k < D / W; ++k) out[k] = scales_at<BF16>(ring, i + k * W);
+  }
 }
 
 // Bytes a row of D codes of BITS bits packs into (3 bits: a 2-bit plane of D/4 bytes, then a 1-bit plane of D/8).
@@ -660,52 +665,69 @@ void kivi_item(const KiviArgs& a, int64_t b, int64_t h, int r0, int64_t split, f
     const int64_t flushed_row = std::max<int64_t>(length / R - 1, 0) * R;
     const int64_t last_tok = length - 1;
     const int64_t seg_lo = std::max(main_end, lo_q);
+    const int64_t last_slot = last_tok % R;  // slot s holds token last_tok - (last_slot - s) (mod R)
+    int64_t flushed_group = -1;  // the key group of the flushed block whose scales and mins are loaded
     for (int64_t c0 = 0; c0 < R; c0 += MAX_CHUNK) {
       const int cn = (int)std::min<int64_t>(MAX_CHUNK, R - c0);
       int slots[MAX_CHUNK];
+      int64_t toks[MAX_CHUNK];
       int n = 0;
       for (int s = 0; s < cn; ++s) {
         const int64_t slot = c0 + s;
-        const int64_t tok = last_tok - ((last_tok - slot) % R + R) % R;
-        if (tok >= 0 && tok >= seg_lo) slots[n++] = (int)slot;
+        const int64_t tok = last_tok - (slot <= last_slot ? last_slot - slot : last_slot - slot + R);
+        if (tok >= 0 && tok >= seg_lo) slots[n] = (int)slot, toks[n++] = tok;
       }
       if (n == 0) continue;
-      for (int i = 0; i < n; ++i) {
-        const int64_t slot = slots[i];
-        const int64_t tok = last_tok - ((last_tok - slot) % R + R) % R;
-        alignas(64) float key[D];
-        if (tok < k_end) {
-          const int64_t row = flushed_row + slot, in = row % T;
-          const Page fp = a.page(b, h, row / T);
-          load_scales(fp.ks, (in / gk) * D, D, a.st, kscale);
-          load_scales(fp.km, (in / gk) * D, D, a.st, kmin);
-          unpack_row<D, KB, false>(fp.kc + in * RBK, codes);
-          if (a.k_levels) code_levels<D>(codes, a.k_levels, a.k_nlevels);
-          for (int k = 0; k < D / W; ++k) vstore(key + k * W, codes[k] * vload(kscale + k * W) + vload(kmin + k * W));
-        } else {
-          load_scales(a.kr, (ring0 + slot) * D, D, a.krt, key);  // the ring row, as float32
-        }
-        if (a.rope) {  // a pre-RoPE key (ring or flushed block), rotated by its position
-          vf x[D / W];
-          for (int k = 0; k < D / W; ++k) x[k] = vload(key + k * W);
-          rotate_row<D>(x, a.rope + tok * D);
-          for (int k = 0; k < D / W; ++k) vstore(key + k * W, x[k]);
+      // Keys W tokens at a time: each token's dot with a query row as a vector of partial sums, the W reduced together
+      for (int i0 = 0; i0 < n; i0 += W) {
+        const int m = std::min(W, n - i0);
+        for (int i = 0; i < m; ++i) {
+          const int64_t slot = slots[i0 + i], tok = toks[i0 + i];
+          vf key[D / W];
+          if (tok < k_end) {
+            const int64_t row = flushed_row + slot, in = row % T;
+            const Page fp = a.page(b, h, row / T);
+            if (row / gk != flushed_group) {
+              flushed_group = row / gk;
+              load_scales(fp.ks, (in / gk) * D, D, a.st, kscale);
+              load_scales(fp.km, (in / gk) * D, D, a.st, kmin);
+            }
+            unpack_row<D, KB, false>(fp.kc + in * RBK, key);
+            if (a.k_levels) code_levels<D>(key, a.k_levels, a.k_nlevels);
+#pragma GCC unroll 8
+            for (int k = 0; k < D / W; ++k) key[k] = key[k] * vload(kscale + k * W) + vload(kmin + k * W);
+          } else {
+            ring_vectors<D>(a.kr, a.krt, ring0 + slot, key);
+          }
+          if (a.rope) rotate_row<D>(key, a.rope + tok * D);  // a pre-RoPE key (ring or flushed block)
+          for (int r = 0; r < NR; ++r) {
+            vf acc{};
+#pragma GCC unroll 8
+            for (int k = 0; k < D / W; ++k) acc += vload(q[r] + k * W) * key[k];
+            partial[r][i] = acc;
+          }
         }
         for (int r = 0; r < NR; ++r) {
-          vf acc{};
-          for (int k = 0; k < D / W; ++k) acc += vload(q[r] + k * W) * vload(key + k * W);
-          scores[r][i] = hsum(acc);
+          for (int i = m; i < W; ++i) partial[r][i] = vf{};
+          vstore(scores[r] + i0, reduce_lanes(partial[r]));
         }
       }
       st.update(scores, p, n);
-      alignas(64) float vbuf[D];
+      vf acc[NR][D / W];  // the rows' value sums in registers while the ring's rows are added
+      for (int r = 0; r < NR; ++r)
+        for (int k = 0; k < D / W; ++k) acc[r][k] = st.acc[r][k];
       for (int i = 0; i < n; ++i) {
-        const float* v = ring_row<D>(a.vr, a.vrt, ring0 + slots[i], vbuf);
+        vf v[D / W];
+        ring_vectors<D>(a.vr, a.vrt, ring0 + slots[i], v);
+#pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
-          const float pr = p[r][i];
-          for (int k = 0; k < D / W; ++k) st.acc[r][k] += vload(v + k * W) * pr;
+          const vf pr = vsplat(p[r][i]);
+#pragma GCC unroll 8
+          for (int k = 0; k < D / W; ++k) acc[r][k] += v[k] * pr;
         }
       }
+      for (int r = 0; r < NR; ++r)
+        for (int k = 0; k < D / W; ++k) st.acc[r][k] = acc[r][k];
     }
   }
   st.store(part, nr);
