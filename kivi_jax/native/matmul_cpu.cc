@@ -372,7 +372,7 @@ void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
 constexpr int Q8_MR = 6;       // activation rows a tile holds: 12 int32 and 12 float accumulators
 constexpr int64_t Q8_NR = 32;  // weight rows of a strip: two vectors
 
-constexpr int64_t Q8_ROW_ROWS = 4;  // activation rows up to which 32-column groups go weight row by weight row
+constexpr int Q8_ROW_ROWS = 4;  // activation rows up to which 32-column groups go weight row by weight row
 // (`q8_row_dots`: packing a strip costs more than its dots for so few)
 
 struct Q8Rows {  // activations rounded to int8 for one group size
@@ -491,14 +491,11 @@ void q8_row_dots(const QArgs& a, const Q8Rows& q, int64_t r, int64_t n0, float* 
 
 using Q8RowFn = void (*)(const QArgs&, const Q8Rows&, int64_t, int64_t, float*);
 
-template <int BITS, bool MINS>
-Q8RowFn q8_row_of(int nt) {
-  switch (nt) {
-    case 1: return q8_row_dots<BITS, 1, MINS>;
-    case 2: return q8_row_dots<BITS, 2, MINS>;
-    case 3: return q8_row_dots<BITS, 3, MINS>;
-    default: return q8_row_dots<BITS, 4, MINS>;
-  }
+// The row kernel for `nt` activation rows (1 .. Q8_ROW_ROWS), one instantiation a row count, as `q8_of`.
+template <int BITS, bool MINS, int... NTs>
+Q8RowFn q8_row_of(int nt, std::integer_sequence<int, NTs...>) {
+  Q8RowFn fns[] = {q8_row_dots<BITS, NTs + 1, MINS>...};
+  return fns[nt - 1];
 }
 
 // Rows [r0, r1) of y for the call's N <= Q8_ROW_ROWS activation rows (`q8_row_dots`), reading each weight row once.
@@ -506,8 +503,9 @@ void q8_row_item(const QArgs& a, int bits, const Q8Rows& q, int64_t r0, int64_t 
   const int64_t row_bytes = a.C * bits / 8, scale_bytes = a.NG * (a.st == F32 ? 4 : 2);
   const bool mins = a.mn || a.offset;
   const int nt = (int)a.N;
-  const Q8RowFn fn = bits == 8 ? (mins ? q8_row_of<8, true>(nt) : q8_row_of<8, false>(nt))
-                               : (mins ? q8_row_of<4, true>(nt) : q8_row_of<4, false>(nt));
+  const auto seq = std::make_integer_sequence<int, Q8_ROW_ROWS>{};
+  const Q8RowFn fn = bits == 8 ? (mins ? q8_row_of<8, true>(nt, seq) : q8_row_of<8, false>(nt, seq))
+                               : (mins ? q8_row_of<4, true>(nt, seq) : q8_row_of<4, false>(nt, seq));
   float dots[Q8_ROW_ROWS];
   for (int64_t r = r0; r < r1; ++r) {
     prefetch_rows(a, r + PREFETCH_ROWS, 1, row_bytes, scale_bytes);
