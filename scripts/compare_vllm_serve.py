@@ -225,8 +225,8 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
             "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0)),
             "prefix_tokens_reused": None if reused0 is None or reused1 is None else int(reused1 - reused0),
             # kivi-jax only: the scheduler's seconds in admissions and prefill chunks, decode steps, token handling
-            **{f"{part}_s": (None if busy0[part] is None or busy1[part] is None else round(busy1[part] - busy0[part], 2))
-               for part in SECONDS}}
+            **{f"{part}_s": (None if busy0[part] is None or busy1[part] is None
+                             else round(busy1[part] - busy0[part], 2)) for part in SECONDS}}
 
 
 def answers(url: str, prompts: list[str], new_tokens: int) -> list[str]:
@@ -254,7 +254,8 @@ def kv_capacity(name: str, logfile: Path) -> str | None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | peak live | "
-             "preempted | prefix tokens reused | ok | others' CPU s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "preempted | prefix tokens reused | ok | others' CPU s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['server']} | {r['run']} | {r['output_tokens_per_s']} | "
                      f"{r['ttft_s_p50']} / {r['ttft_s_p99']} | {r['itl_s_p50']} / {r['itl_s_p99']} | "
@@ -334,10 +335,10 @@ def main(argv=None) -> int:
     for name, line in capacity.items():
         print(f"{name}: {line}")
     if args.json is not None:
-        import platform
+        from kivi_jax.bench import device_name
 
         args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d"), "machine": device_name(),
             "cores": os.cpu_count(), "kv_gib": args.kv_gib, "max_length": args.max_length, "weights": args.weights,
             "vllm_dtype": args.vllm_dtype, "kivi_flags": args.kivi_flags, "order": args.order,
             "workloads": {w: {"clients": c, "prompt_tokens": lh, "new_tokens": n}

@@ -52,7 +52,8 @@ def test_kv_capacity_reads_slots_and_paged_start_lines(tmp_path):
     log.write_text("starting\nkivi-jax serve: model 'smollm2'; cache kivi2, paged: 72 rows of up to 2048 tokens (6 MiB "
                    "a row), a pool of 900 pages of 128 tokens (1 MiB a page), 1 GiB in all\n")
     assert cmp.kv_capacity("kivi2:--paged", log).startswith("kivi2, paged: 72 rows of up to 2048")
-    log.write_text("kivi-jax serve: model 'smollm2'; cache kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all\n")
+    log.write_text("kivi-jax serve: model 'smollm2'; cache kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in "
+                   "all\n")
     assert cmp.kv_capacity("kivi2", log) == "kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all"
 
 
