@@ -22,7 +22,8 @@ streaming chat clients, one request each, greedy, with prompts of given token le
 Python ships, `kivi_jax.evaluate.default_text`; each run other stretches of it) and a number of new tokens; the
 report gives output tokens/s, time to first token (p50, p99), the gap between streamed tokens, the most requests
 decoding at once, the preemptions and the prompt tokens taken from a prefix cache (read from the servers' /metrics),
-and whether the greedy answers agree across servers.
+the prompt tokens each server counted (their `usage`: the same on every server, or the comparison is not like for
+like) and whether the greedy answers agree across servers.
 """
 
 from __future__ import annotations
@@ -218,8 +219,11 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tokens = sum(r["tokens"] for r in ok)
+    counted = [r["prompt_tokens"] for r in ok]
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 3) if xs else None  # noqa: E731
     return {"requests": len(prompts), "ok": len(ok), "seconds": round(wall, 2), "output_tokens": tokens,
+            # as the server counted them (its usage): the same prompts should count alike on every server
+            "prompt_tokens": sum(counted) if counted and None not in counted else None,
             "output_tokens_per_s": round(tokens / wall, 2), "ttft_s_p50": pct(ttft, 50), "ttft_s_p99": pct(ttft, 99),
             "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99), "peak_live": int(max(live)) if live else None,
             "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0)),
@@ -254,13 +258,13 @@ def kv_capacity(name: str, logfile: Path) -> str | None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| workload | server | run | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | peak live | "
-             "preempted | prefix tokens reused | ok | others' CPU s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "preempted | prefix tokens reused | prompt tokens | ok | others' CPU s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['server']} | {r['run']} | {r['output_tokens_per_s']} | "
                      f"{r['ttft_s_p50']} / {r['ttft_s_p99']} | {r['itl_s_p50']} / {r['itl_s_p99']} | "
                      f"{r.get('peak_live')} | {r.get('preemptions')} | {r.get('prefix_tokens_reused')} | "
-                     f"{r['ok']}/{r['requests']} | {r.get('others_cpu_s')} |")
+                     f"{r.get('prompt_tokens')} | {r['ok']}/{r['requests']} | {r.get('others_cpu_s')} |")
     return "\n".join(lines)
 
 

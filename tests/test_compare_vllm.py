@@ -114,3 +114,30 @@ def test_cpu_seconds_counts_a_sessions_processes():
         pass
     assert cmp.cpu_seconds(sid) >= before + 0.25
     assert cmp.cpu_seconds(2**22 + 12345) is None  # no process of that session
+
+
+def test_a_streamed_answer_reports_the_prompt_tokens_the_server_counted():
+    """`stream_one` keeps the server's own prompt count (its usage), which the comparison sums a run to show both
+    servers prefilled the same tokens; a server that sends no usage gives None, not a zero."""
+    import json
+
+    import httpx
+
+    from kivi_jax.serve.loadtest import stream_one
+
+    def sse(usage):
+        chunks = [{"choices": [{"index": 0, "delta": {"content": w}, "token_ids": [i]}]}
+                  for i, w in enumerate(["Paris", "."])]
+        if usage is not None:
+            chunks.append({"choices": [], "usage": usage})
+        return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    for usage, want in (({"prompt_tokens": 57, "completion_tokens": 2}, 57), (None, None)):
+        transport = httpx.MockTransport(lambda request, u=usage: httpx.Response(200, text=sse(u)))
+        with httpx.Client(transport=transport) as http:
+            r = stream_one(http, "http://server", "smollm2", "What is the capital of France?", 8)
+        assert r["prompt_tokens"] == want and len(r["arrivals"]) == 2
+        assert r["tokens"] == (2 if usage else 0)
+    rows = [{"workload": "short", "server": "vllm", "run": 1, "output_tokens_per_s": 1.0, "ttft_s_p50": 0.1,
+             "ttft_s_p99": 0.2, "itl_s_p50": 0.01, "itl_s_p99": 0.02, "prompt_tokens": 2340, "ok": 32, "requests": 32}]
+    assert "| 2340 | 32/32 |" in cmp.table(rows)

@@ -62,7 +62,8 @@ def _log(line: str) -> None:
 
 def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, response_format: str = "text",
                ignore_eos: bool = False, on_token=None) -> dict:
-    """One streaming chat request; returns its send time, chunk arrival times and output tokens. `ignore_eos`: the
+    """One streaming chat request; returns its send time, chunk arrival times, output tokens and the prompt tokens
+    the server counted (its `usage`; None if it sent none). `ignore_eos`: the
     answer runs to max_tokens (vLLM's option of that name); `on_token(n)` is called as the n-th chunk arrives."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
@@ -71,25 +72,28 @@ def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, respo
     if RESPONSE_FORMATS[response_format] is not None:
         body["response_format"] = RESPONSE_FORMATS[response_format]
     t0 = time.perf_counter()
-    arrivals, tokens, status = [], 0, None
+    arrivals, tokens, prompt_tokens, status = [], 0, None, None
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         status = r.status_code
         if status != 200:
             r.read()
-            return {"status": status, "sent": t0, "arrivals": [], "tokens": 0, "end": time.perf_counter()}
+            return {"status": status, "sent": t0, "arrivals": [], "tokens": 0, "prompt_tokens": None,
+                    "end": time.perf_counter()}
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"].get("prompt_tokens")
             for c in chunk.get("choices", []):
                 n = len(c.get("token_ids") or []) or (1 if c.get("delta", {}).get("content") else 0)
                 if n:
                     arrivals.append(time.perf_counter())
                     if on_token is not None:
                         on_token(len(arrivals))
-    return {"status": status, "sent": t0, "arrivals": arrivals, "tokens": tokens, "end": time.perf_counter()}
+    return {"status": status, "sent": t0, "arrivals": arrivals, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "end": time.perf_counter()}
 
 
 def _pct(values, q) -> float | None:
