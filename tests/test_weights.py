@@ -80,9 +80,10 @@ def test_native_matmul_equals_the_xla_twin(fmt, rows, cols):
     assert native.available(), native.error()
     w = random_matrix(fmt, rows, cols, layers=3, seed=rows)
     f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
-    # past 8 rows: weight rows dequantized once, register-blocked tiles; past 64 (a prefill chunk's rows): a strip of
-    # rows decoded into gemm.h's packed tiles (row counts that are multiples of neither its 12 rows nor its 512)
-    for batch in (1, 3, 8, 9, 13, 32, 45, 64, 65, 131, 523):
+    # past 8 rows: weight rows dequantized once, register-blocked tiles; past 16 (STRIP_ROWS: a prefill chunk, a
+    # larger decode step): a strip of rows decoded into gemm.h's packed tiles (row counts that are multiples of
+    # neither its 12 rows nor its 512)
+    for batch in (1, 3, 8, 9, 13, 16, 17, 32, 45, 64, 65, 131, 523):
         x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, cols)), jnp.float32)
         ref = np.asarray(f(x, w.replace(impl="xla"), jnp.int32(2)))
         with warnings.catch_warnings():

@@ -20,6 +20,10 @@ namespace {
 constexpr int TILE = 8;           // activation rows a pass holds in registers
 constexpr int64_t ITEM_ROWS = 16;  // weight rows a work item takes
 constexpr int64_t PREFETCH_ROWS = 4;  // how far ahead of the rows in use their codes are requested
+// More float activation rows than this (a prefill chunk, a decode step of 17 or more rows): packed strips
+// (`strip_item`). At 32 and 64 rows they took 0.65-0.81x the time of `item`'s dotted tiles on a Zen 4 VM (one
+// layer's projections, three alternating runs, 2026-12-07); `item` keeps 16 and fewer.
+constexpr int64_t STRIP_ROWS = 16;
 
 // W codes of 8-bit weights at p, as float lanes.
 inline vf codes8(const int8_t* p) {
@@ -306,9 +310,9 @@ void decoded_row(const QArgs& a, int64_t r, float* out) {
 // Rows [r0, r1) of y for every activation row.
 // - Up to TILE activation rows (a small decode step): each weight row is dotted with the tile as its codes are read
 //   (`row_dots`: decoding costs one pass however few the rows).
-// - More: DOT_NR weight rows at a time are dequantized once into an L1 buffer, then every DOT_MR activation rows are
-//   dotted with them by gemm.h's `dot_tile`, so decoding is paid once a call and the arithmetic is register-blocked
-//   (row_dots re-decoded each weight row for every tile of 8 activation rows).
+// - More, up to STRIP_ROWS (above it `strip_item`): DOT_NR weight rows at a time are dequantized once into an L1
+//   buffer, then every DOT_MR activation rows are dotted with them by gemm.h's `dot_tile`, so decoding is paid once
+//   a call and the arithmetic is register-blocked (row_dots re-decoded each weight row for every tile of 8 rows).
 void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
   const int64_t row_bytes = a.C * bits / 8, scale_bytes = a.NG * (a.st == F32 ? 4 : 2);
   if (a.N > TILE) {
@@ -342,7 +346,7 @@ void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
 }
 
 // Output rows [r0, r0 + GEMM_NR) (clipped to R) of y [N, R] = x M^T for activation rows [n0, n1) (more than
-// GEMM_ROWS in all: a prefill chunk): the strip's weight rows decoded (`decoded_row`) and transposed into a packed
+// STRIP_ROWS in all): the strip's weight rows decoded (`decoded_row`) and transposed into a packed
 // strip, then gemm.h's tiles, as for a float32 projection.
 void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
   thread_local line_vector<float> rows, strip;
@@ -749,7 +753,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       return ffi::Error::InvalidArgument("qmatmul: int8 activations need AVX512-VNNI (this build has none)");
 #endif
     }
-    if (N > GEMM_ROWS) {  // items: a strip of GEMM_NR rows of M by a block of GEMM_MB activation rows
+    if (N > STRIP_ROWS) {  // items: a strip of GEMM_NR rows of M by a block of GEMM_MB activation rows
       first[i + 1] = first[i] + (a.R + GEMM_NR - 1) / GEMM_NR * ((N + GEMM_MB - 1) / GEMM_MB);
       continue;
     }
@@ -788,7 +792,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       return;
     }
 #endif
-    if (N > GEMM_ROWS) {
+    if (N > STRIP_ROWS) {
       const int64_t strips = (a.R + GEMM_NR - 1) / GEMM_NR, local = it - first[i], n0 = local / strips * GEMM_MB;
       strip_item(a, (int)bits[i], local % strips * GEMM_NR, n0, std::min(N, n0 + GEMM_MB));
       return;
