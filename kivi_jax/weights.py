@@ -564,6 +564,12 @@ def formats(params) -> dict[str, str]:
     return {name: w.fmt if is_quantized(w) else jnp.dtype(w.dtype).name for name, w in leaves_by_path(params).items()}
 
 
+def native_codes(params) -> bool:
+    """Whether every projection and table is held in 4- or 8-bit codes (GGUF blocks, int8, int4-gG, int4s-gG): the
+    formats of the native quantized matmul, whose float path takes packed strips past a few rows."""
+    return all(is_quantized(w) and w.bits in (4, 8) for _, w, _ in _quantizable(params))
+
+
 def summary(params) -> str:
     """A short name of the weights params hold, e.g. 'q4_1+q8_0' (GGUF blocks), 'int8', 'float32'."""
     fmts = formats(params)

@@ -460,17 +460,23 @@ def test_a_cpu_server_decodes_in_groups_of_16_by_default(model):
     assert not Engine(model.params, SPEC, slots=40, max_length=64, buckets=False).buckets
 
 
-def test_bf16_weights_on_amx_decode_in_groups_of_32_by_default(model):
-    """Where every matrix is bf16 and the native kernel runs AMX tiles, a CPU's default group is 32 rows (a step
-    of 32 costs less than two of 16); float32 weights, or a CPU without AMX, stay at 16."""
+def test_bf16_weights_on_amx_and_quantized_weights_decode_in_groups_of_32_by_default(model):
+    """Where every matrix is bf16 and the native kernel runs AMX tiles, or every matrix is held in 4- or 8-bit codes
+    (the native kernel's packed strips past 16 rows), a CPU's default group is 32 rows (a step of 32 costs less than
+    two of 16); float32 weights, a CPU without AMX for bf16, or no native kernels, stay at 16."""
     from kivi_jax import native
     from kivi_jax.native import matmul
-    from kivi_jax.serve.engine import CPU_DECODE_GROUP, CPU_DECODE_GROUP_AMX, Engine, cpu_decode_group
+    from kivi_jax.serve.engine import CPU_DECODE_GROUP, CPU_DECODE_GROUP_WIDE, Engine, cpu_decode_group
 
     half = kivi_jax.weights.convert_params(model.params, "bfloat16", dtype="float32")  # bf16 matrices
-    amx = matmul.BF16_ROWS >= CPU_DECODE_GROUP_AMX and native.available()
+    codes = kivi_jax.weights.convert_params(model.params, "int8", dtype="float32")  # 8-bit codes
+    amx = matmul.BF16_ROWS >= CPU_DECODE_GROUP_WIDE and native.available()
     assert cpu_decode_group(model.params) == CPU_DECODE_GROUP == 16
     assert cpu_decode_group(half) == (32 if amx else 16)
+    assert kivi_jax.weights.native_codes(codes) and not kivi_jax.weights.native_codes(half)
+    assert cpu_decode_group(codes) == (32 if native.available() else 16)
+    assert Engine(codes, SPEC, slots=40, max_length=64).groups == (
+        [(0, 32), (32, 8)] if native.available() else [(0, 16), (16, 16), (32, 8)])
     groups = Engine(half, SPEC, slots=40, max_length=64).groups
     assert groups == ([(0, 32), (32, 8)] if amx else [(0, 16), (16, 16), (32, 8)])
     assert Engine(half, SPEC, slots=40, max_length=64, decode_group=16).groups == [(0, 16), (16, 16), (32, 8)]

@@ -56,7 +56,8 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     p.add_argument("--decode-group", type=integer(1), default=None,
                    help="decode the slots in groups of this many, skipping groups with no live request; a group's "
                         "step computes only its live rows (default: 16 on a CPU, where a slot's cache work still "
-                        "costs, 32 for bf16 weights on an AMX CPU; all slots in one step on a GPU or TPU)")
+                        "costs, 32 for bf16 weights on an AMX CPU and for 4- or 8-bit weights such as the GGUF's; "
+                        "all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="never reuse a finished request's cache for a prompt that extends it")
     p.add_argument("--prefill-precision", choices=PREFILL_CHOICES, default="float32",

@@ -294,21 +294,23 @@ class Slot:
 
 CPU_DECODE_GROUP = 16  # slots a decode call covers on a CPU by default (docs/serving.md: at 72 kivi2 slots, 1 to 32
 # live, bucketed groups of 16 were faster than one bucketed group of all 72 slots, which won only at 64 live)
-CPU_DECODE_GROUP_AMX = 32  # ... where bf16 weights run through AMX tiles: a step of 32 rows costs far less than two
-# of 16 (docs/serving.md run 12: short's ITL p50 45 against 56-57 ms, long's tokens/s 66-67 against 60-62)
+CPU_DECODE_GROUP_WIDE = 32  # ... where a step of 32 rows costs well under two of 16: bf16 weights through AMX tiles
+# (docs/serving.md run 12: short's ITL p50 45 against 56-57 ms, long's tokens/s 66-67 against 60-62), or 4- and 8-bit
+# weights, whose float activations take the native kernel's packed strips past 16 rows (run 38: short's tokens/s
+# 1.10-1.14x, ITL p50 81-82 against 101-128 ms)
 
 
 def cpu_decode_group(params) -> int:
-    """The CPU's default decode group for these params: CPU_DECODE_GROUP_AMX where every matrix is `bf16` and the
-    native kernel runs AMX tiles for that many rows, else CPU_DECODE_GROUP (and on other backends, which decode all
-    slots in one step)."""
+    """The CPU's default decode group for these params: CPU_DECODE_GROUP_WIDE where the native kernels run and every
+    matrix is `bf16` with AMX tiles for that many rows, or every matrix is held in 4- or 8-bit codes
+    (`weights.native_codes`); else CPU_DECODE_GROUP (and on other backends, which decode all slots in one step)."""
     from kivi_jax import native
     from kivi_jax.native import matmul
 
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or not native.available():
         return CPU_DECODE_GROUP
-    amx = weights.summary(params) == "bf16" and matmul.BF16_ROWS >= CPU_DECODE_GROUP_AMX and native.available()
-    return CPU_DECODE_GROUP_AMX if amx else CPU_DECODE_GROUP
+    amx = weights.summary(params) == "bf16" and matmul.BF16_ROWS >= CPU_DECODE_GROUP_WIDE
+    return CPU_DECODE_GROUP_WIDE if amx or weights.native_codes(params) else CPU_DECODE_GROUP
 
 
 def default_prefill_tokens() -> int:
