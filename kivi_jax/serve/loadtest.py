@@ -63,8 +63,8 @@ def _log(line: str) -> None:
 def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, response_format: str = "text",
                ignore_eos: bool = False, on_token=None) -> dict:
     """One streaming chat request; returns its send time, chunk arrival times, output tokens and the prompt tokens
-    the server counted (its `usage`; None if it sent none). `ignore_eos`: the
-    answer runs to max_tokens (vLLM's option of that name); `on_token(n)` is called as the n-th chunk arrives."""
+    the server counted (its `usage`; None if it sent none). `ignore_eos`: the answer runs to max_tokens (vLLM's option
+    of that name); `on_token(n)` is called as the n-th chunk arrives."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
