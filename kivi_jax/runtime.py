@@ -37,6 +37,7 @@ MIN_CHUNK = 64  # and a call to at least this many tokens (unless the chunk is n
 # rounded unlike one prompt's (tests/test_serve_batching.py), and few rows gain little
 CACHE_BUCKET = 256  # caches are allocated in multiples of this (and of the residual length)
 PREFILL_CHUNK = 512  # prompt tokens a prefill call takes (docs/benchmarks.md: chunked prefill)
+PACK_BUCKET = 64  # a packed prefill computes its prompts' tokens rounded up to a multiple of this (few compilations)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,6 +113,21 @@ def chunk_plan(tokens: int, chunk: int | None = PREFILL_CHUNK) -> ChunkPlan:
     return ChunkPlan(width, chunks, chunk_size(max(tokens, 1) - (chunks - 1) * width, width))
 
 
+def packed_size(tokens: int) -> int:
+    """The token rows a packed prefill of prompts of `tokens` tokens in all computes: whole PACK_BUCKETs."""
+    return -(-max(tokens, 1) // PACK_BUCKET) * PACK_BUCKET
+
+
+def pack_index(lengths, width: int, size: int) -> np.ndarray:
+    """`[size]` int32: the flat places in `[rows * width]` of each row's first `lengths[row]` tokens, row after row,
+    then `rows * width` (no place: padding) up to `size` (`decoder.decode`'s `packed`)."""
+    lengths = np.asarray(lengths, np.int64)
+    places = np.concatenate([r * width + np.arange(n) for r, n in enumerate(lengths)] + [np.zeros(0, np.int64)])
+    if places.size > size or (lengths > width).any():
+        raise ValueError(f"prompts of {lengths.tolist()} tokens do not pack into {size} rows of a {width}-wide batch")
+    return np.concatenate([places, np.full(size - places.size, lengths.size * width)]).astype(np.int32)
+
+
 def _placer(mesh):
     """How host arrays `[batch, ...]` go to the device(s): split over the data axis on a mesh."""
     return jnp.asarray if mesh is None else functools.partial(sharding.put_batch, mesh=mesh)
@@ -132,22 +148,28 @@ def prefill_logits(params: Params, tokens: jax.Array, cache, lengths=None):
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, last: jax.Array, last_at: jax.Array):
+def prefill_chunk(params: Params, tokens: jax.Array, num_new: jax.Array, cache, last: jax.Array, last_at: jax.Array,
+                  packed: jax.Array | None = None):
     """One chunk `tokens [batch, C]` (`num_new [batch]` real) onto the cache; `last [batch, vocab]` keeps, for each
     sequence, the logits after its last prompt token, which sits at `last_at [batch]` in this chunk (-1: elsewhere).
-    Float32 projections are seen as `weights.FloatMatrix` (the native CPU matmul's packed strips)."""
+    Float32 projections are seen as `weights.FloatMatrix` (the native CPU matmul's packed strips). `packed [P]`:
+    only the real tokens' rows are computed (`pack_index`)."""
     logits, cache = forward(weights.native_view(params), tokens, cache, num_new=num_new,
-                            logits_at=jnp.maximum(last_at, 0))
+                            logits_at=jnp.maximum(last_at, 0), packed=packed)
     return jnp.where((last_at >= 0)[:, None], logits[:, 0], last), cache
 
 
 def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
-                  mesh=None) -> Iterator[tuple[jax.Array, object]]:
+                  mesh=None, packed: int | None = None) -> Iterator[tuple[jax.Array, object]]:
     """`prefill`, one chunk a step: yields `(last, cache)` after each chunk (the final pair is `prefill`'s result),
     so a caller can run other work between chunks. The cache of each yield is the one to continue with (the
-    previous is donated)."""
+    previous is donated). `packed`: the prompts, one chunk each, are computed side by side in that many token rows
+    (at least their tokens: `packed_size`) instead of `batch` rows of the chunk's width."""
     batch, n = tokens.shape
     plan = chunk_plan(n, chunk)
+    if packed is not None and (plan.chunks != 1 or mesh is not None):
+        raise ValueError(f"a packed prefill takes prompts of one chunk on one device; {n} tokens make {plan.chunks} "
+                         f"chunks of {plan.width}{' (and a mesh was given)' if mesh is not None else ''}")
     widths = plan.widths()
     tokens = np.pad(tokens, ((0, 0), (0, sum(widths) - n)), constant_values=params.config.pad_id)
     lengths = np.asarray(lengths, np.int32)
@@ -156,23 +178,25 @@ def prefill_steps(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache
     if mesh is None:  # committed to its device, as every chunk's outputs are: else the first call of a shape
         # compiles a program of its own (jit keys on it), and a prompt's later chunks another
         last, cache = jax.device_put((last, cache), jax.devices()[0])
+    index = None if packed is None else jax.device_put(pack_index(lengths, plan.width, packed), jax.devices()[0])
     for c, size in enumerate(widths):
         start = c * plan.width
         num_new = np.clip(lengths - start, 0, size).astype(np.int32)
         last_at = np.where((lengths - 1 >= start) & (lengths - 1 < start + size), lengths - 1 - start, -1)
         last, cache = prefill_chunk(params, put(tokens[:, start : start + size]), put(num_new), cache, last,
-                                    put(last_at.astype(np.int32)))
+                                    put(last_at.astype(np.int32)), index)
         yield last, cache
 
 
 def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, cache, chunk: int | None = PREFILL_CHUNK,
-            mesh=None):
+            mesh=None, packed: int | None = None):
     """Feeds right-padded prompts `tokens [batch, n]` (`lengths [batch]` real, 0 allowed) onto `cache` after what it
     holds, `chunk` tokens at a time (None: at once); every chunk but a narrower last has one shape (`chunk_plan`), so
     two compilations serve them all.
     With `mesh` the inputs are placed split over its data axis (the caller runs this under `sharding.use_mesh`).
-    Returns the float32 logits after each sequence's last new token `[batch, vocab]` and the cache."""
-    for last, cache in prefill_steps(params, tokens, lengths, cache, chunk, mesh):
+    `packed`: `prefill_steps`'. Returns the float32 logits after each sequence's last new token `[batch, vocab]` and
+    the cache."""
+    for last, cache in prefill_steps(params, tokens, lengths, cache, chunk, mesh, packed):
         pass
     return last, cache
 

@@ -263,7 +263,7 @@ def attention_kinds(cfg: ModelConfig) -> tuple[tuple[tuple[int | None, float | N
 
 def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: jax.Array | None,
            logits_at: jax.Array | None, block, norm=rms_norm, embed_scale: float | None = None,
-           rows: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+           rows: jax.Array | None = None, packed: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """The forward pass of every architecture: `forward`'s contract (see `llama.forward`) around its layer.
 
     `block(cfg, lp, x, attend) -> (x, update)` is one layer over `x [batch, T, hidden]` with its params `lp`;
@@ -275,7 +275,11 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
 
     `rows [B]` (with a cache): `tokens [B, T]` (and `num_new`, `logits_at`) are for those rows of the cache's batch
     only (an index past the batch: a padding row, dropped), so the projections and the MLP compute B rows whatever
-    the cache's batch; the other rows are left as they were and their attention is skipped (`cache.attending`)."""
+    the cache's batch; the other rows are left as they were and their attention is skipped (`cache.attending`).
+
+    `packed [P]` (without `rows`): the flat places in `[batch * T]` of the tokens to compute (`batch * T`: none, a
+    padding row of the packing), so the projections and the MLP compute P rows, the real tokens side by side, however
+    ragged the right-padded `tokens`; attention and the cache see them in their `[batch, T]` places as before."""
     cfg = params.config
     batch, n_tok = tokens.shape
     dtype = params.dtype
@@ -304,6 +308,19 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
 
     def to_held(a):  # [B, ...] -> [held, ...], zeros elsewhere
         return a if rows is None else jnp.zeros((held,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
+
+    if packed is not None:
+        if rows is not None:
+            raise ValueError("decode takes `rows` or `packed`, not both")
+
+        def pack(a):  # [batch, T, ...] -> [1, P, ...]
+            return a.reshape(batch * n_tok, *a.shape[2:]).at[packed].get(mode="fill", fill_value=0)[None]
+
+        def unpack(a):  # [1, P, ...] -> [batch, T, ...], zeros at the padding
+            flat = jnp.zeros((batch * n_tok,) + a.shape[2:], a.dtype).at[packed].set(a[0], mode="drop")
+            return flat.reshape(batch, n_tok, *a.shape[2:])
+    else:
+        pack = unpack = lambda a: a  # noqa: E731
     rope = Rotary(rope_inv_freq(cfg))
     options, kinds = attention_kinds(cfg)
     q_scale = cfg.query_scale
@@ -318,6 +335,7 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
         lp = weights.join_layer(lp, whole, layer)
 
         def attend(q, k, v):
+            q, k, v = unpack(q), unpack(k), unpack(v)
             q = rope(q, row_positions)
             if q_scale != 1.0:
                 q = q * jnp.asarray(q_scale, q.dtype)
@@ -327,7 +345,7 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
             branches = [functools.partial(seen.attend, layer, q, k, v, positions, rope, to_cache, window,
                                           softcap=cap) for window, cap in options]
             out, update = branches[0]() if len(branches) == 1 else jax.lax.switch(kind, branches)
-            return of_rows(out).astype(dtype), update
+            return pack(of_rows(out).astype(dtype)), update
 
         return block(cfg, lp, x, attend)
 
@@ -337,7 +355,8 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     layer_kinds = jnp.asarray(kinds, jnp.int32) if len(options) > 1 else None  # [layers]
     # The cache is only read inside the loop; every layer's update comes out stacked and is written once after it.
-    x, updates = jax.lax.scan(layer_step, x, (sliced, layer_ids, layer_kinds))
+    x, updates = jax.lax.scan(layer_step, pack(x), (sliced, layer_ids, layer_kinds))
+    x = unpack(x)
     cache = cache.commit(updates, to_cache)
     bad_flags = jnp.where(bad_tokens, BAD_TOKEN, 0).astype(jnp.int32)  # [batch]
     cache = cache.replace(error_flags=cache.error_flags | to_held(bad_flags))
@@ -355,10 +374,10 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
 
 
 def forward(params: Params, tokens: jax.Array, cache: KVCache | None = None, num_new: jax.Array | None = None,
-            logits_at: jax.Array | None = None, rows: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+            logits_at: jax.Array | None = None, rows: jax.Array | None = None,
+            packed: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """The forward pass of whichever architecture `params.config` names (`llama.forward` documents the contract;
-    `rows`: `decode`'s)."""
+    `rows` and `packed`: `decode`'s)."""
     arch = for_config(params.config)
-    if rows is None:
-        return arch.forward(params, tokens, cache, num_new, logits_at)
-    return arch.forward(params, tokens, cache, num_new, logits_at, rows=rows)
+    extra = {k: v for k, v in (("rows", rows), ("packed", packed)) if v is not None}
+    return arch.forward(params, tokens, cache, num_new, logits_at, **extra)

@@ -88,10 +88,11 @@ def block(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attend):
     return x, update
 
 
-def gemma2_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None):
+def gemma2_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None,
+                   packed=None):
     """`llama.llama_forward`'s contract over a Gemma 2 model."""
     return decode(params, tokens, cache, num_new, logits_at, block, norm=gemma_norm,
-                  embed_scale=math.sqrt(params.config.hidden_size), rows=rows)
+                  embed_scale=math.sqrt(params.config.hidden_size), rows=rows, packed=packed)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

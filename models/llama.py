@@ -128,7 +128,8 @@ def block(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attend):
     return x, update
 
 
-def llama_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None):
+def llama_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None,
+                  packed=None):
     """Runs the decoder over `tokens [batch, T]` placed after what `cache` holds (any T, any cache state).
 
     `num_new [batch]` counts the real tokens of a right-padded `tokens` (default all T; 0 leaves a sequence as it
@@ -137,7 +138,7 @@ def llama_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, l
     cache (None when none was given). A sequence with an out-of-range token id, or more tokens than the cache
     holds, gets NaN logits and a bit in `cache.error_flags` (raised at once when called outside `jit`).
     """
-    return decode(params, tokens, cache, num_new, logits_at, block, rows=rows)
+    return decode(params, tokens, cache, num_new, logits_at, block, rows=rows, packed=packed)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

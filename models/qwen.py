@@ -85,9 +85,10 @@ def block(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attend):
     return x, update
 
 
-def qwen_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None):
+def qwen_forward(params: Params, tokens: jax.Array, cache=None, num_new=None, logits_at=None, rows=None,
+                 packed=None):
     """`llama.llama_forward`'s contract over a Qwen2 / Qwen3 model."""
-    return decode(params, tokens, cache, num_new, logits_at, block, rows=rows)
+    return decode(params, tokens, cache, num_new, logits_at, block, rows=rows, packed=packed)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

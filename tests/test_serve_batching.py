@@ -1,6 +1,7 @@
 """Batching in the serving engine: several waiting prompts of one prefill shape in one forward call, a chunk an
-iteration between the running decode steps; a decode step over only the live rows, padded to a power-of-two bucket.
-What a request gets must not depend on what it was batched with."""
+iteration between the running decode steps; short prompts of any lengths packed into one call; a decode step over
+only the live rows, padded to a power-of-two bucket. What a request gets must not depend on what it was batched
+with."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import kivi_jax
 from kivi_jax import runtime
 from conftest import TINY_VOCAB
+from kivi_jax.serve import engine as engine_mod
 from kivi_jax.serve.engine import Engine, Waiting
 from kivi_jax.sampling import Sampling
 from kivi_jax.serve.scheduler import Request, Scheduler
@@ -51,10 +53,11 @@ BIT_FOR_BIT = pytest.mark.xla_default_emitters  # as users compile it (tests/xla
 def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec, chunk, lengths, exact):
     """The same cache rows (bit for bit, every leaf, at chunk widths of whole PROMPT_BUCKETs, as the server's are;
     to float rounding at a width of 16) and the same first and next greedy tokens whether the prompts are prefilled
-    one at a time or together."""
+    one at a time or together, padded to their one chunk width (packing off; packed: the tests below)."""
     batch = prompts(3, lengths)
     alone = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk, prefill_batch=1)
-    together = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk)
+    together = Engine(model.params, spec, slots=len(batch), max_length=MAX_LENGTH, prefill_chunk=chunk,
+                      packed_prefill=False)
     first_alone = [alone.admit(p, Sampling(0.0)) for p in batch]
     assert together.batchable(batch[0]) and not alone.batchable(batch[0])
     with pytest.raises(ValueError, match="one prefill shape"):  # a prompt of another chunk count waits for its own
@@ -86,7 +89,8 @@ def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec,
 def test_a_batched_prefill_takes_a_power_of_two_of_prompts_within_its_token_budget(model):
     """`prefill_room`: the prompts of one shape a call takes, at most `prefill_batch`, and no more than the largest
     power of two of rows (what a batch is padded to) whose rows x width stay within `prefill_tokens`; at least one."""
-    eng = Engine(model.params, SPEC, slots=8, max_length=MAX_LENGTH, prefill_chunk=512, prefill_tokens=512)
+    eng = Engine(model.params, SPEC, slots=8, max_length=MAX_LENGTH, prefill_chunk=512, prefill_tokens=512,
+                 packed_prefill=False)
     assert runtime.chunk_plan(20, 512).width == 64  # at least 64 wide
     for width, room in ((64, 8), (96, 4), (128, 4), (160, 2), (256, 2), (288, 1), (512, 1)):
         shape = runtime.chunk_plan(width, 512)
@@ -96,6 +100,85 @@ def test_a_batched_prefill_takes_a_power_of_two_of_prompts_within_its_token_budg
     assert job.rows == 4 and job.plan == runtime.ChunkPlan(96, 1, 96)
     with pytest.raises(ValueError, match="prefill_room"):
         eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in prompts(14, [96] * 5)])
+
+
+def compare_caches(a, b, exact: bool) -> None:
+    """Two caches' leaves equal (`exact`) or to float rounding (codes: a value on a rounding edge may round the
+    other way)."""
+    for x, y in zip(leaves(a), leaves(b)):
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        elif x.dtype.kind in "ui":
+            assert (x != y).mean() <= 1e-3
+        else:
+            np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=1e-3, atol=1e-4)
+
+
+def packed_against_alone(params, spec, batch, exact: bool, steps: int) -> None:
+    """Prefills `batch` (prompts of one chunk of at most PACK_WIDTH tokens) one at a time and packed into one call:
+    each slot's cache rows, first greedy token and next `steps` greedy tokens are the same."""
+    n, kw = len(batch), dict(max_length=MAX_LENGTH, prefill_chunk=512)
+    alone = Engine(params, spec, slots=n, prefill_batch=1, **kw)
+    together = Engine(params, spec, slots=n, **kw)
+    assert together.pack_width == engine_mod.PACK_WIDTH and all(together.packable(p) for p in batch)
+    first_alone = [alone.admit(p, Sampling(0.0)) for p in batch]
+    job = together.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch])
+    tokens = sum(len(p) for p in batch)
+    assert job.packed == runtime.packed_size(tokens) < job.rows * runtime.chunk_size(max(len(p) for p in batch))
+    admitted = together.advance(job)  # one call
+    assert admitted is not None and together.counters["prefill_calls"] == 1 and job.tokens_run == job.packed
+    for (slot, token), adm in zip(first_alone, admitted):
+        assert adm.first[0].token == token
+        compare_caches(alone.extract(slot), together.extract(adm.slots[0]), exact)
+    for _ in range(steps):
+        a, b = alone.step(), together.step()
+        assert [a[s] for s, _ in first_alone] == [b[adm.slots[0]] for adm in admitted]
+
+
+@pytest.mark.parametrize("spec", [SPEC, "full"])
+def test_a_packed_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec):
+    """Five prompts of 5 to 128 tokens (chunk widths 64 to 128) go into one packed call computing 320 token rows
+    (their 308 tokens in whole PACK_BUCKETs, not 8 rows x 128): every slot gets a prefill alone's cache to float
+    rounding (this tiny model's attention sums a row of 128 keys unlike one of 64 or 96; the default model's kernels
+    bit for bit, below), its first greedy token, and decodes alike."""
+    packed_against_alone(model.params, spec, prompts(21, [5, 40, 66, 69, 128]), exact=False, steps=12)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@BIT_FOR_BIT
+def test_a_packed_prefill_of_the_default_model_is_bit_for_bit_a_prefill_alone(smollm2):
+    """On the default model (its GGUF blocks through the native kernels) a packed prefill of prompts of four chunk
+    widths leaves every slot's cache bit for bit as a prefill alone does, with the same first tokens."""
+    rng = np.random.RandomState(22)
+    batch = [rng.randint(100, 20000, n).tolist() for n in (20, 54, 66, 100, 128)]
+    packed_against_alone(smollm2.params, "kivi2", batch, exact=True, steps=2)
+
+
+def test_a_packed_prefill_takes_short_prompts_of_any_lengths_within_the_token_budget(model):
+    """`joins`: prompts of at most PACK_WIDTH tokens go together whatever their lengths while their tokens, in whole
+    PACK_BUCKETs, stay within `prefill_tokens`, at most `prefill_batch` of them; a longer prompt joins only prompts of
+    its own prefill shape; one short prompt alone is prefilled at its chunk width, unpacked."""
+    eng = Engine(model.params, SPEC, slots=12, max_length=MAX_LENGTH, prefill_chunk=512, prefill_tokens=512)
+    short = prompts(15, [128, 128, 128, 100, 28, 40])
+    assert eng.joins([], short[0]) and eng.joins(short[:1], short[1]) and eng.joins(short[:3], short[3])
+    assert eng.joins(short[:4], short[4])  # 512 tokens
+    assert not eng.joins(short[:4], short[5])  # 524: past the budget
+    longer = prompts(16, [129, 150, 400])
+    assert not eng.joins(short[:1], longer[0]) and not eng.joins(longer[:1], short[0])
+    assert eng.joins(longer[:1], longer[1]) and not eng.joins(longer[:1], longer[2])  # 160 wide both; 400: 416
+    tiny = prompts(17, [10] * 9)
+    assert eng.joins(tiny[:7], tiny[7]) and not eng.joins(tiny[:8], tiny[8])  # prefill_batch 8
+    with pytest.raises(ValueError, match="packed prefill takes at most"):
+        eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in short[:4] + short[5:]])
+    assert eng.count("free") == 12
+    lone = eng.start_prefill([Waiting(short[5], [Sampling(0.0)])])
+    assert lone.packed is None and lone.rows == 1 and lone.plan == runtime.ChunkPlan(64, 1, 64)
+    eng.abandon(lone)
+    job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in short[:5]])
+    assert job.packed == 512 and job.rows == 8 and job.plan == runtime.ChunkPlan(128, 1, 128)
+    off = Engine(model.params, SPEC, slots=4, max_length=MAX_LENGTH, prefill_chunk=512, packed_prefill=False)
+    assert off.pack_width == 0 and not off.packable(short[4]) and not off.joins(short[3:4], short[4])
 
 
 def request(prompt: list[int], new: int, seen=None) -> tuple[Request, queue.Queue]:
@@ -127,8 +210,9 @@ def reference(model, prompt, new, max_length=384):
 
 @pytest.mark.slow
 def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model):
-    """Six short prompts of one width go through two batched prefill calls; a long prompt (four chunks) is
-    prefilled a chunk an iteration while two others decode; every greedy answer is `generate` alone's."""
+    """Six short prompts of one width go through one packed prefill call (their 156 tokens in 192 token rows, where
+    rows of the chunk width would take two calls of 4 x 64 and 2 x 64); a long prompt (four chunks) is prefilled a
+    chunk an iteration while two others decode; every greedy answer is `generate` alone's."""
     short = prompts(5, [4, 9, 12, 30, 41, 60])
     long = prompts(6, [250])[0]
     eng = Engine(model.params, SPEC, slots=8, max_length=384, prefill_chunk=64, prefill_tokens=256, decode_group=4)
@@ -142,7 +226,7 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
             sched.submit(req)
     try:
         got = [answer(q) for _, q in queued]
-        assert eng.counters["prefill_calls"] == 2 and eng.counters["prefill_rows"] == 4 + 2  # 4 prompts, then 2
+        assert eng.counters["prefill_calls"] == 1 and eng.counters["prefill_rows"] == 8  # six prompts, packed
         # the long one arrives while two short ones decode: its four chunks alternate with their steps
         pair = [request(short[0], 60), request(short[1], 60)]
         for req, _ in pair:

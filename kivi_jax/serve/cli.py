@@ -12,7 +12,8 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
     """The model, cache and capacity flags (shared with `kivi-jax bench serve`, whose --cache is a list)."""
     from kivi_jax.cli_args import add_cache_args, add_mesh_args, add_model_args
     from kivi_jax.cli_args import integer
-    from kivi_jax.serve.engine import CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS
+    from kivi_jax.serve.engine import (CPU_PREFILL_TOKENS, DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, PACK_BUCKET,
+                                       PACK_WIDTH, PREFILL_TOKENS)
     from kivi_jax.serve.scheduler import STEP_PREFILL_TOKENS
     from kivi_jax.weights import DECODE_CHOICES, PREFILL_CHOICES
 
@@ -48,6 +49,10 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         f"{CPU_PREFILL_TOKENS} on a CPU, where more rows a call gain nothing, {PREFILL_TOKENS} on a "
                         "GPU or TPU): the size of one prefill call (--step-prefill-tokens bounds the calls between "
                         "two decode steps)")
+    p.add_argument("--no-packed-prefill", action="store_true",
+                   help=f"batch only prompts of one chunk width, each padded to it (default: prompts of at most "
+                        f"{PACK_WIDTH} tokens go together whatever their lengths, a call computing their tokens side "
+                        f"by side in whole blocks of {PACK_BUCKET})")
     p.add_argument("--step-prefill-tokens", type=integer(1), default=STEP_PREFILL_TOKENS,
                    help=f"prompt token rows prefilled between two decode steps at most (default {STEP_PREFILL_TOKENS}, "
                         "vLLM's batch token budget; at least one prefill call): the longest pause waiting prompts put "
@@ -136,7 +141,8 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
                         prefix_snapshots=getattr(args, "prefix_snapshots", 0),
                         warmup=warmup if getattr(args, "warmup", None) is None else args.warmup,
                         prefill_precision=getattr(args, "prefill_precision", "float32"),
-                        decode_precision=getattr(args, "decode_precision", "float32"))
+                        decode_precision=getattr(args, "decode_precision", "float32"),
+                        packed_prefill=not getattr(args, "no_packed_prefill", False))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

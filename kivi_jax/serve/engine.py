@@ -52,8 +52,8 @@ from kivi_jax import rotation, sharding, weights
 from kivi_jax.cache import SCALE_OVERFLOW, cache_bytes, make_cache, tree_bytes
 from kivi_jax.config import REFERENCE, is_reference, parse_cache_spec, spec_name
 from kivi_jax.models.decoder import Params
-from kivi_jax.runtime import (PREFILL_CHUNK, PROMPT_BUCKET, ChunkPlan, chunk_plan, chunk_size, decode_step, prefill,
-                              prefill_scored, prefill_steps, sample_first)
+from kivi_jax.runtime import (PACK_BUCKET, PREFILL_CHUNK, PROMPT_BUCKET, ChunkPlan, chunk_plan, chunk_size, decode_step,
+                              packed_size, prefill, prefill_scored, prefill_steps, sample_first)
 from kivi_jax.sampling import Sampling, bitmask_width, row_settings
 from kivi_jax.serve.pages import PageAllocator, PoolExhausted
 
@@ -63,8 +63,15 @@ PREFILL_TOKENS = 2048  # tokens a batched prefill call takes at most (rows x the
 CPU_PREFILL_TOKENS = 512  # ... and on a CPU, where a prefill is compute-bound: more rows a call gain nothing there
 # (docs/serving.md), so long prompts go one a call and short ones up to 8 together (the scheduler runs calls up to
 # its own budget between two decode steps, `scheduler.STEP_PREFILL_TOKENS`)
+PACK_WIDTH = 128  # prompts of at most this many tokens (and one chunk) are prefilled packed: a call computes their
+# tokens side by side, whatever their lengths, instead of each padded to its chunk width (docs/serving.md, run 40)
 
 FREE, LIVE, HELD, FILLING = "free", "live", "held", "filling"  # FILLING: reserved for a batched prefill in progress
+
+
+def _spread(tokens: int, n: int) -> list[int]:
+    """`n` prompt lengths as even as can be that add up to `tokens` (warm-up's packed prompts)."""
+    return [tokens // n + (i < tokens % n) for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -274,6 +281,7 @@ class PrefillJob:
     chunks: object  # the `runtime.prefill_steps` iterator
     plan: ChunkPlan  # the prompts' chunks (one plan for all)
     chunks_left: int
+    packed: int | None = None  # packed (short prompts of any lengths, one chunk): the token rows its call computes
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
     cache: object = None
     taken: list = dataclasses.field(default_factory=list)  # per request: prefix snapshots `(length, cache)` taken
@@ -352,6 +360,7 @@ class Engine:
         prefix_snapshots: int = 0,
         prefill_precision: str = "float32",
         decode_precision: str = "float32",
+        packed_prefill: bool = True,
     ):
         cfg = params.config
         if pages is not None and mesh is not None:  # heads split over model, every page on every device
@@ -408,6 +417,10 @@ class Engine:
         # one-sequence cache is whole on every data shard)
         self.prefill_batch = 1 if mesh is not None else min(prefill_batch, slots)
         self.prefill_tokens = prefill_tokens
+        # Packed prefill: prompts of one chunk up to `pack_width` tokens go 2 or more a call, computed side by side in
+        # whole PACK_BUCKETs of token rows (and laid out `[rows, pack_width]` for attention and the cache); 0: off
+        packs = packed_prefill and self.prefill_batch > 1 and prefill_tokens >= PACK_BUCKET
+        self.pack_width = chunk_size(PACK_WIDTH, prefill_chunk) if packs else 0
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh, pages=pages)
                        for _, n in self.groups]
@@ -914,6 +927,23 @@ class Engine:
         would spare it the work."""
         return self.prefill_batch > 1 and self._reusable(prompt) is None and self.shared_prefix(prompt, salt) is None
 
+    def packable(self, prompt: list[int]) -> bool:
+        """Whether the prompt may go into a packed prefill: packing is on and it is one chunk of at most
+        `pack_width` tokens."""
+        return 0 < len(prompt) <= self.pack_width
+
+    def joins(self, prompts: Sequence[list[int]], prompt: list[int]) -> bool:
+        """Whether one batched prefill may take `prompt` beside `prompts` (those `start_prefill` would take):
+        packable ones while their tokens stay within the token budget, at most `prefill_batch` of them; others of one
+        `prefill_shape`, up to its `prefill_room`."""
+        if not prompts:
+            return True
+        if self.packable(prompt) and all(self.packable(p) for p in prompts):
+            tokens = len(prompt) + sum(len(p) for p in prompts)
+            return len(prompts) < self.prefill_batch and packed_size(tokens) <= self.prefill_tokens
+        shape = self.prefill_shape(prompt)
+        return all(self.prefill_shape(p) == shape for p in prompts) and len(prompts) < self.prefill_room(shape)
+
     def prefill_shape(self, prompt: list[int]) -> ChunkPlan:
         """The chunks of the prompt's prefill (width, count, the last's width): prompts of one shape are prefilled
         together, so that each sees the chunks it sees alone and none computes chunks past its own end."""
@@ -926,15 +956,23 @@ class Engine:
         return min(self.prefill_batch, 1 << (rows.bit_length() - 1))
 
     def start_prefill(self, requests: Sequence[Waiting]) -> PrefillJob:
-        """Reserves the slots of `requests` (one a choice; every prompt of one `prefill_shape`, at most
-        `prefill_room` of them) and sets up their prefill into one cache; `advance` runs it a chunk at a time. A
-        request that does not fit raises as `admit_choices` does, before anything is reserved."""
+        """Reserves the slots of `requests` (one a choice; prompts that `joins` takes together: two or more packable
+        ones, packed, or prompts of one `prefill_shape`, at most `prefill_room` of them) and sets up their prefill into
+        one cache; `advance` runs it a chunk at a time. A request that does not fit raises as `admit_choices` does,
+        before anything is reserved."""
         requests = list(requests)
         shapes = {self.prefill_shape(r.prompt) for r in requests}
-        if not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
+        packed = len(requests) > 1 and all(self.packable(r.prompt) for r in requests)
+        if packed:
+            tokens = sum(len(r.prompt) for r in requests)
+            if len(requests) > self.prefill_batch or packed_size(tokens) > self.prefill_tokens:
+                raise ValueError(f"a packed prefill takes at most prefill_batch={self.prefill_batch} prompts within "
+                                 f"prefill_tokens={self.prefill_tokens} (whole {PACK_BUCKET}s), not {len(requests)} "
+                                 f"of {tokens} tokens")
+        elif not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
             raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
                              f"{len(requests)} of shapes {sorted(shapes)}")
-        plan = shapes.pop()
+        plan = chunk_plan(self.pack_width, self.prefill_chunk) if packed else shapes.pop()
         need = pages = 0
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints, r.max_tokens)
@@ -953,23 +991,24 @@ class Engine:
             self._reserve_pages(mine, len(r.prompt), r.max_tokens)
             slots.append(mine)
         rows = 1 << (len(requests) - 1).bit_length()  # a power of two: few compiled shapes
-        longest = max(len(r.prompt) for r in requests)
+        longest = plan.width if packed else max(len(r.prompt) for r in requests)
         tokens = np.full((rows, longest), self.cfg.pad_id, np.int32)
         lengths = np.zeros(rows, np.int32)  # empty rows: nothing prefilled
         for i, r in enumerate(requests):
             tokens[i, : len(r.prompt)] = r.prompt
             lengths[i] = len(r.prompt)
         cache = make_cache(self.spec, self.cfg, rows, self.max_length, self.dtype, self.impl)
+        size = packed_size(int(lengths.sum())) if packed else None
         return PrefillJob(requests, slots, rows, prefill_steps(self.prefill_params, tokens, lengths, cache,
-                                                               self.prefill_chunk),
-                          plan, plan.chunks)
+                                                               self.prefill_chunk, packed=size),
+                          plan, plan.chunks, size)
 
     def advance(self, job: PrefillJob) -> list[Admitted] | None:
         """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and
         go live in their slots: returns their `Admitted` (in the job's order), else None."""
         job.last, job.cache = next(job.chunks)
         plan = job.plan
-        job.tokens_run += job.rows * (plan.width if job.chunks_left > 1 else plan.tail)  # the call just run
+        job.tokens_run += job.packed or job.rows * (plan.width if job.chunks_left > 1 else plan.tail)  # the call run
         job.chunks_left -= 1
         self.counters["prefill_calls"] += 1
         if self.prefix_snapshots:  # each prompt's cache at this chunk end, if its prompt goes on past it
@@ -1082,25 +1121,30 @@ class Engine:
     def warm_up(self) -> dict:
         """Compiles what serving runs before the first request comes (each program compiles in 1-3 s on a 2-core
         CPU, which a request would otherwise wait): a batched prefill of every shape the scheduler forms (rows, a
-        power of two up to what the token budget takes, times each chunk width), each request's insert and first
-        draw (into each size of decode group), and every decode bucket of every group (rows that are all padding:
-        nothing changes). The engine is left as it was: slots free, pages back, counters and snapshots untouched.
-        Returns the programs run and the seconds taken."""
+        power of two up to what the token budget takes, times each chunk width; packed, rows times each packed
+        size), each request's insert and first draw (into each size of decode group), and every decode bucket of
+        every group (rows that are all padding: nothing changes). The engine is left as it was: slots free, pages
+        back, counters and snapshots untouched. Returns the programs run and the seconds taken."""
         t0 = time.monotonic()
         counters, peak, keep = dict(self.counters), self.peak_live, self.prefix_snapshots
         self.prefix_snapshots = 0  # warm-up prompts keep no snapshot
         runs = 0
         try:
             widths = sorted({chunk_size(t, self.prefill_chunk) for t in range(1, self.prefill_chunk + 1, PROMPT_BUCKET)})
-            # every prefill shape into the first group, and the smallest width into the first group of each other
-            # size: an insert and a first draw compile for the group's shape (the others' slots held back meanwhile)
+            packed = self._packed_jobs()
+            # every prefill shape into the first group, and the smallest of each row count into the first group of
+            # each other size: an insert and a first draw compile for the group's shape (the others' slots held back)
             sizes = {}
             for start, n in self.groups:
                 sizes.setdefault(n, start)
-            plans = [(width, self.groups[0]) for width in widths]
-            plans += [(widths[0], (start, n)) for n, start in sizes.items() if start != self.groups[0][0]]
-            for width, (start, n_group) in plans:
-                runs += self._warm_prefills(width, start, n_group)
+            plans = [(self._width_jobs(width), False, self.groups[0]) for width in widths]
+            plans += [(packed, True, self.groups[0])]
+            smallest = [(self._width_jobs(widths[0]), False)] + [([job for job in packed if len(job) == rows][:1], True)
+                                                                 for rows in sorted({len(job) for job in packed})]
+            plans += [(jobs, packs, (start, n)) for n, start in sizes.items() if start != self.groups[0][0]
+                      for jobs, packs in smallest]
+            for jobs, packs, (start, n_group) in plans:
+                runs += self._warm_prefills(jobs, packs, start, n_group)
             for g, (_, n) in enumerate(self.groups):
                 buckets = sorted({min(1 << k, n) for k in range(n.bit_length() + 1)}) if self.buckets else [n]
                 for width in buckets:
@@ -1113,22 +1157,51 @@ class Engine:
             self.peak_live, self.prefix_snapshots = peak, keep
         return {"programs": runs, "seconds": round(time.monotonic() - t0, 1)}
 
-    def _warm_prefills(self, width: int, start: int, n_group: int) -> int:
-        """Warm-up's prefills of prompts `width` tokens long into the decode group of slots `start` .. `start +
-        n_group` (every other free slot held back meanwhile), one for each row count `start_prefill` forms, each then
-        freed; returns the programs run."""
+    def _width_jobs(self, width: int) -> list[list[int]]:
+        """Warm-up's prefills of prompts `width` tokens long: the prompt lengths of one job for each row count
+        `start_prefill` forms of them (one row where two or more would be packed)."""
+        room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
+        if width <= self.pack_width:
+            room = 1
+        return [[width] * min(rows, room) for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)})]
+
+    def _packed_jobs(self) -> list[list[int]]:
+        """Warm-up's packed prefills: the prompt lengths of one job for each (rows, packed size) `start_prefill`
+        forms, each job as many prompts as its rows hold, their tokens the packed size."""
+        if not self.pack_width:
+            return []
+        jobs = []
+        for rows in sorted({1 << (n - 1).bit_length() for n in range(2, self.prefill_batch + 1)}):
+            n = min(rows, self.prefill_batch)
+            for size in range(PACK_BUCKET, self.prefill_tokens + 1, PACK_BUCKET):
+                if size <= n * self.pack_width:
+                    jobs.append(_spread(size, n))
+        return jobs
+
+    def _warm_prefills(self, jobs: list[list[int]], packed: bool, start: int, n_group: int) -> int:
+        """Warm-up's prefills of prompts of the given lengths (a list a job) into the decode group of slots `start` ..
+        `start + n_group` (every other free slot held back meanwhile), each then freed. A job of more prompts than
+        the group's open slots takes as many as it holds (packed: their tokens the same, spread over them; those
+        rows are what such a job forms), and none after it runs (not packed); returns the programs run."""
         held_back = [i for i in range(self.num_slots) if not start <= i < start + n_group
                      and self.slots[i].state == FREE]
         for i in held_back:
             self.slots[i].state = FILLING
         runs = 0
         try:
-            room = self.prefill_room(chunk_plan(width, self.prefill_chunk)) if self.prefill_batch > 1 else 1
-            for rows in sorted({1 << (k - 1).bit_length() for k in range(1, room + 1)}):  # start_prefill's rows
-                n = min(rows, room, self.open_slots())
-                if n < 1 or (self.paged and n * self.admission_pages(width, 1) + self.headroom > self.free_pages()):
+            for lengths in jobs:
+                n = min(len(lengths), self.open_slots())
+                cut = n < len(lengths)
+                if cut and packed:
+                    if n < 2 or sum(lengths) > n * self.pack_width:
+                        continue
+                    lengths = _spread(sum(lengths), n)
+                elif cut:
+                    lengths = lengths[:n]
+                pages = sum(self.admission_pages(k, 1) for k in lengths) if self.paged else 0
+                if n < 1 or (self.paged and pages + self.headroom > self.free_pages()):
                     break
-                prompts = [Waiting([self.cfg.pad_id] * width, [Sampling(0.0)], max_tokens=1) for _ in range(n)]
+                prompts = [Waiting([self.cfg.pad_id] * n, [Sampling(0.0)], max_tokens=1) for n in lengths]
                 if self.prefill_batch > 1:
                     job = self.start_prefill(prompts)
                     while (admitted := self.advance(job)) is None:
@@ -1139,7 +1212,7 @@ class Engine:
                     for slot in a.slots:
                         self.free(slot)
                 runs += 1
-                if n < rows:  # the group (or the open slots) holds no more: larger rows cannot come here
+                if cut and not packed:
                     break
         finally:
             for i in held_back:

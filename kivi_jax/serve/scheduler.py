@@ -3,13 +3,13 @@ and incremental text. No HTTP here: a request carries an `emit` callback that re
 
 The thread loops: drop cancelled requests (freeing their slots), admit waiting requests into free slots (prefill and
 insert), then decode every live slot once. Plain requests are prefilled together (`Engine.start_prefill`: the oldest
-waiting one and those behind it whose prompts have its prefill shape, chunk width and count, as many as the engine's
-token budget takes), chunk by chunk, up to `step_prefill_tokens` token rows an iteration (a finished job making room
-for the next), so a long prompt shares the time with the running decodes instead of stalling them, and many waiting
-prompts are not held up by a decode step after every chunk. Text is decoded from all of a request's tokens each step
-and only the part that can no longer change is emitted (not a half multi-byte character, not the start of a stop
-string). `cancel` takes a waiting request out of the queue at once; `drain` (at shutdown) refuses new requests and
-ends the waiting ones, while the live ones decode on.
+waiting one and those behind it that it `joins`: short prompts of any lengths packed, longer ones of its prefill shape,
+chunk width and count, as many as the engine's token budget takes), chunk by chunk, up to `step_prefill_tokens` token
+rows an iteration (a finished job making room for the next), so a long prompt shares the time with the running decodes
+instead of stalling them, and many waiting prompts are not held up by a decode step after every chunk. Text is decoded
+from all of a request's tokens each step and only the part that can no longer change is emitted (not a half multi-byte
+character, not the start of a stop string). `cancel` takes a waiting request out of the queue at once; `drain` (at
+shutdown) refuses new requests and ends the waiting ones, while the live ones decode on.
 """
 
 from __future__ import annotations
@@ -424,10 +424,10 @@ class Scheduler:
         return w
 
     def _start_job(self, first: Request) -> None:
-        """Starts a batched prefill of `first` and of the waiting requests behind it that share its prefill shape
-        (plain ones, no held prefix to reuse), as many as the token budget and the open slots allow."""
-        shape = self.engine.prefill_shape(first.context)
-        room, open_slots = self.engine.prefill_room(shape), self.engine.open_slots()
+        """Starts a batched prefill of `first` and of the waiting requests behind it that it `joins` (plain ones, no
+        held prefix to reuse: short prompts packed, others of its prefill shape), as many as the token budget and the
+        open slots allow."""
+        open_slots = self.engine.open_slots()
         open_pages = self.engine.free_pages() - self.engine.headroom
         pages = lambda req: self.engine.admission_pages(len(req.context), req.tokens_left, req.n)  # noqa: E731
         taken, reqs = [], []
@@ -436,10 +436,9 @@ class Scheduler:
             taken, reqs, open_slots, open_pages = [w], [first], open_slots - first.n, open_pages - pages(first)
         with self._waiting_changed:
             for req in list(self.waiting):
-                if len(taken) >= room:
-                    break
                 if (req.score_prompt or req.preemptions or req.n > open_slots or pages(req) > open_pages or req.cancelled.is_set()
-                        or self.engine.prefill_shape(req.context) != shape or not self.engine.batchable(req.context, req.cache_salt)):
+                        or not self.engine.joins([w.prompt for w in taken], req.context)
+                        or not self.engine.batchable(req.context, req.cache_salt)):
                     continue
                 w = self._waiting_of(req)
                 self.waiting.remove(req)

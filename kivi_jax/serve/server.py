@@ -84,6 +84,8 @@ class Server:
         line += f"; prompts prefilled in chunks of {e.prefill_chunk} tokens"
         if e.prefill_batch > 1:
             line += f", up to {e.prefill_batch} a call within {e.prefill_tokens} tokens"
+            if e.pack_width:
+                line += f" (those of at most {e.pack_width} tokens packed)"
         line += f", up to {self.scheduler.step_prefill_tokens} tokens between two decode steps"
         line += precisions(e)
         if len(e.groups) > 1:
@@ -99,7 +101,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  shutdown_timeout: float | None = None, prefill_batch: int = DEFAULT_PREFILL_BATCH,
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
                  prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32",
-                 decode_precision: str = "float32", step_prefill_tokens: int = STEP_PREFILL_TOKENS) -> Server:
+                 decode_precision: str = "float32", step_prefill_tokens: int = STEP_PREFILL_TOKENS,
+                 packed_prefill: bool = True) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -113,7 +116,9 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     the operands of a prompt's prefill matmuls (`weights.dot_view`; 'int8', or 'auto': int8 activations for
     quantized weights on a CPU with VNNI, else float32); `decode_precision`: every decode step's (float32, int8 or
     auto). `step_prefill_tokens`:
-    the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`)."""
+    the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`). `packed_prefill`:
+    short prompts of any lengths are prefilled together, their tokens side by side (`Engine`; False: only prompts of
+    one chunk width together, each padded to it)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -133,7 +138,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                         attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
                         prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow,
                         prefix_snapshots=prefix_snapshots, prefill_precision=prefill_precision,
-                        decode_precision=decode_precision)
+                        decode_precision=decode_precision, packed_prefill=packed_prefill)
         if warmup:
             capacity["warmup"] = engine.warm_up()
         scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
@@ -158,7 +163,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
                     prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision,
-                    decode_precision=decode_precision)
+                    decode_precision=decode_precision, packed_prefill=packed_prefill)
     if warmup:
         capacity["warmup"] = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
