@@ -313,12 +313,16 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
         if rows is not None:
             raise ValueError("decode takes `rows` or `packed`, not both")
 
+        size = packed.shape[0]
+        # each place's row of the packing (`size`: none), once a call: both ways are gathers, not scatters
+        rows_of = jnp.full((batch * n_tok,), size, jnp.int32).at[packed].set(jnp.arange(size, dtype=jnp.int32),
+                                                                            mode="drop")
+
         def pack(a):  # [batch, T, ...] -> [1, P, ...]
             return a.reshape(batch * n_tok, *a.shape[2:]).at[packed].get(mode="fill", fill_value=0)[None]
 
         def unpack(a):  # [1, P, ...] -> [batch, T, ...], zeros at the padding
-            flat = jnp.zeros((batch * n_tok,) + a.shape[2:], a.dtype).at[packed].set(a[0], mode="drop")
-            return flat.reshape(batch, n_tok, *a.shape[2:])
+            return a[0].at[rows_of].get(mode="fill", fill_value=0).reshape(batch, n_tok, *a.shape[2:])
     else:
         pack = unpack = lambda a: a  # noqa: E731
     rope = Rotary(rope_inv_freq(cfg))
