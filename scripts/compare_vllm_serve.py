@@ -23,7 +23,9 @@ Python ships, `kivi_jax.evaluate.default_text`; each run other stretches of it) 
 report gives output tokens/s, time to first token (p50, p99), the gap between streamed tokens, the most requests
 decoding at once, the preemptions and the prompt tokens taken from a prefix cache (read from the servers' /metrics),
 the prompt tokens each server counted (their `usage`: the same on every server, or the comparison is not like for
-like) and whether the greedy answers agree across servers.
+like) and whether the greedy answers agree across servers. An answer ends at EOS, so servers whose answers differ
+(a 2-bit cache's) do different work in a run; `--ignore-eos` runs every answer to the workload's new tokens on every
+server (vLLM's `ignore_eos`, which kivi-jax serve takes too), the same work everywhere.
 """
 
 from __future__ import annotations
@@ -168,10 +170,10 @@ def cpu_seconds(pid: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK") if found else None
 
 
-def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
+def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool = False) -> dict:
     """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL, the most
     requests decoding at once (the servers' /metrics sampled every 0.2 s), the preemptions and the prompt tokens
-    taken from a prefix cache."""
+    taken from a prefix cache. `ignore_eos`: every answer runs to `new_tokens`."""
     import httpx
     import numpy as np
 
@@ -200,7 +202,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int) -> dict:
 
     def client(i: int) -> None:
         with httpx.Client(timeout=3600) as http:
-            r = stream_one(http, url, "smollm2", prompts[i], new_tokens)
+            r = stream_one(http, url, "smollm2", prompts[i], new_tokens, ignore_eos=ignore_eos)
             results[i] = r
 
     t0 = time.perf_counter()
@@ -286,6 +288,9 @@ def main(argv=None) -> int:
     p.add_argument("--order", choices=ORDERS, default="interleaved",
                    help="interleaved (default): every server up at once, each workload's runs going round them (in "
                         "reverse every other run); sequential: one server at a time")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every answer runs to the workload's new tokens on every server (the same work everywhere; "
+                        "default: an answer ends at EOS)")
     p.add_argument("--check", type=int, default=3, help="greedy answers compared across servers (default 3)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -320,7 +325,7 @@ def main(argv=None) -> int:
                 clients, _, new = workloads[w]
                 others = [p.pid for n, p in procs.items() if n != name]
                 before = [cpu_seconds(pid) for pid in others]
-                r = run_workload(urls[name], prompts[w][run], new)
+                r = run_workload(urls[name], prompts[w][run], new, args.ignore_eos)
                 after = [cpu_seconds(pid) for pid in others]
                 r["others_cpu_s"] = (round(sum(b - a for a, b in zip(before, after)), 2)
                                      if others and None not in before + after else None)
@@ -345,6 +350,7 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d"), "machine": device_name(),
             "cores": os.cpu_count(), "kv_gib": args.kv_gib, "max_length": args.max_length, "weights": args.weights,
             "vllm_dtype": args.vllm_dtype, "kivi_flags": args.kivi_flags, "order": args.order,
+            "ignore_eos": args.ignore_eos,
             "workloads": {w: {"clients": c, "prompt_tokens": lh, "new_tokens": n}
                           for w, (c, lh, n) in workloads.items()},
             "capacity": capacity, "rows": rows, "answers": checked, "answers_agree": agree}, indent=1) + "\n")

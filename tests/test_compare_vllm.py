@@ -141,3 +141,32 @@ def test_a_streamed_answer_reports_the_prompt_tokens_the_server_counted():
     rows = [{"workload": "short", "server": "vllm", "run": 1, "output_tokens_per_s": 1.0, "ttft_s_p50": 0.1,
              "ttft_s_p99": 0.2, "itl_s_p50": 0.01, "itl_s_p99": 0.02, "prompt_tokens": 2340, "ok": 32, "requests": 32}]
     assert "| 2340 | 32/32 |" in cmp.table(rows)
+
+
+def test_ignore_eos_asks_every_answer_to_run_to_the_workloads_new_tokens(monkeypatch):
+    """`--ignore-eos` (`run_workload(..., ignore_eos=True)`) puts vLLM's `ignore_eos` in every request, so servers
+    whose answers end at different places still do the same work; without it no request carries it."""
+    import json
+    import threading
+
+    import httpx
+
+    bodies, lock = [], threading.Lock()
+    stream = "".join(f"data: {json.dumps(c)}\n\n" for c in (
+        {"choices": [{"index": 0, "delta": {"content": "Paris"}, "token_ids": [7]}]},
+        {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}})) + "data: [DONE]\n\n"
+
+    def handle(request):
+        if request.url.path.endswith("/metrics"):
+            return httpx.Response(200, text=KIVI_METRICS)
+        with lock:
+            bodies.append(json.loads(request.content))
+        return httpx.Response(200, text=stream)
+
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda *a, **k: real(transport=httpx.MockTransport(handle)))
+    for flag in (False, True):
+        r = cmp.run_workload("http://server", ["one", "two", "three"], 8, ignore_eos=flag)
+        assert r["ok"] == 3 and r["prompt_tokens"] == 27
+    assert sorted(b.get("ignore_eos", False) for b in bodies) == [False] * 3 + [True] * 3
+    assert all(b["max_tokens"] == 8 for b in bodies)

@@ -15,6 +15,7 @@ import pytest
 import kivi_jax
 from kivi_jax import runtime
 from conftest import TINY_VOCAB
+from kivi_jax.config import parse_cache_spec
 from kivi_jax.serve import engine as engine_mod
 from kivi_jax.serve.engine import Engine, Waiting
 from kivi_jax.sampling import Sampling
@@ -116,12 +117,19 @@ def compare_caches(a, b, exact: bool) -> None:
 
 def packed_against_alone(params, spec, batch, exact: bool, steps: int) -> None:
     """Prefills `batch` (prompts of one chunk of at most PACK_WIDTH tokens) one at a time and packed into one call:
-    each slot's cache rows, first greedy token and next `steps` greedy tokens are the same."""
-    n, kw = len(batch), dict(max_length=MAX_LENGTH, prefill_chunk=512)
+    each slot's cache rows, first greedy token and next `steps` greedy tokens are the same. The slots hold 512
+    tokens, the packed call's cache 256 (what one chunk of 128 takes): its rows are zero-padded into the slots as a
+    prefill alone's cache of 512 holds zeros past its prompt."""
+    n, kw = len(batch), dict(max_length=512, prefill_chunk=512)
+    assert runtime.rounded_tokens(engine_mod.PACK_WIDTH, parse_cache_spec(spec)) == 256
     alone = Engine(params, spec, slots=n, prefill_batch=1, **kw)
     together = Engine(params, spec, slots=n, **kw)
     assert together.pack_width == engine_mod.PACK_WIDTH and all(together.packable(p) for p in batch)
     first_alone = [alone.admit(p, Sampling(0.0)) for p in batch]
+    held = [together.admit(p, Sampling(0.0))[0] for p in prompts(23, [300] * n)]  # slots that held longer prompts:
+    for slot in held:  # nothing of them may survive the inserts
+        together.free(slot)
+    together.counters["prefill_calls"] = 0
     job = together.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch])
     tokens = sum(len(p) for p in batch)
     assert job.packed == runtime.packed_size(tokens) < job.rows * runtime.chunk_size(max(len(p) for p in batch))
