@@ -152,6 +152,24 @@ def test_a_packed_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec
     packed_against_alone(model.params, spec, prompts(21, [5, 40, 66, 69, 128]), exact=False, steps=12)
 
 
+@pytest.mark.parametrize("spec", [SPEC, "full"])
+def test_a_packed_prefill_into_a_paged_cache_decodes_as_a_prefill_alone(model, spec):
+    """Paged, the packed call's 256-token cache is written into each slot's pages (pages that held longer prompts
+    before): the same first and next greedy tokens as prompts prefilled one at a time into the same paged cache."""
+    batch = prompts(24, [5, 40, 66, 69, 128])
+    kw = dict(slots=5, max_length=512, prefill_chunk=512, pages=5 * 512 // 16)
+    alone, together = Engine(model.params, spec, prefill_batch=1, **kw), Engine(model.params, spec, **kw)
+    for slot in [together.admit(p, Sampling(0.0))[0] for p in prompts(25, [300] * 5)]:
+        together.free(slot)
+    first_alone = [alone.admit(p, Sampling(0.0)) for p in batch]
+    job = together.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch])
+    admitted = together.advance(job)
+    assert job.packed == 320 and [a.first[0].token for a in admitted] == [t for _, t in first_alone]
+    for _ in range(12):
+        a, b = alone.step(), together.step()
+        assert [a[s] for s, _ in first_alone] == [b[adm.slots[0]] for adm in admitted]
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 @BIT_FOR_BIT

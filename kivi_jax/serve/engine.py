@@ -1210,7 +1210,7 @@ class Engine:
                 pages = sum(self.admission_pages(k, 1) for k in lengths) if self.paged else 0
                 if n < 1 or (self.paged and pages + self.headroom > self.free_pages()):
                     break
-                prompts = [Waiting([self.cfg.pad_id] * n, [Sampling(0.0)], max_tokens=1) for n in lengths]
+                prompts = [Waiting([self.cfg.pad_id] * k, [Sampling(0.0)], max_tokens=1) for k in lengths]
                 if self.prefill_batch > 1:
                     job = self.start_prefill(prompts)
                     while (admitted := self.advance(job)) is None:
