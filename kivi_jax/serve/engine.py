@@ -64,7 +64,7 @@ CPU_PREFILL_TOKENS = 512  # ... and on a CPU, where a prefill is compute-bound: 
 # (docs/serving.md), so long prompts go one a call and short ones up to 8 together (the scheduler runs calls up to
 # its own budget between two decode steps, `scheduler.STEP_PREFILL_TOKENS`)
 PACK_WIDTH = 128  # prompts of at most this many tokens (and one chunk) are prefilled packed: a call computes their
-# tokens side by side, whatever their lengths, instead of each padded to its chunk width (docs/serving.md, run 40)
+# tokens side by side, whatever their lengths, instead of each padded to its chunk width (docs/serving.md, runs 40-44)
 
 FREE, LIVE, HELD, FILLING = "free", "live", "held", "filling"  # FILLING: reserved for a batched prefill in progress
 
