@@ -312,9 +312,9 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     if packed is not None:
         if rows is not None:
             raise ValueError("decode takes `rows` or `packed`, not both")
-
         size = packed.shape[0]
-        # each place's row of the packing (`size`: none), once a call: both ways are gathers, not scatters
+        # each place's row in the packing (`size` where no token is packed), found once a call: packing and unpacking
+        # are both gathers, not scatters
         rows_of = jnp.full((batch * n_tok,), size, jnp.int32).at[packed].set(jnp.arange(size, dtype=jnp.int32),
                                                                             mode="drop")
 

@@ -147,8 +147,8 @@ def packed_against_alone(params, spec, batch, exact: bool, steps: int) -> None:
 def test_a_packed_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec):
     """Five prompts of 5 to 128 tokens (chunk widths 64 to 128) go into one packed call computing 320 token rows
     (their 308 tokens in whole PACK_BUCKETs, not 8 rows x 128): every slot gets a prefill alone's cache to float
-    rounding (this tiny model's attention sums a row of 128 keys unlike one of 64 or 96; the default model's kernels
-    bit for bit, below), its first greedy token, and decodes alike."""
+    rounding (this tiny float model's XLA dots and attention round otherwise in the packed shapes from the second
+    layer on; the default model's kernels bit for bit, below), its first greedy token, and decodes alike."""
     packed_against_alone(model.params, spec, prompts(21, [5, 40, 66, 69, 128]), exact=False, steps=12)
 
 
