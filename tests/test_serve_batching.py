@@ -42,6 +42,18 @@ def leaves(cache) -> list[np.ndarray]:
 BIT_FOR_BIT = pytest.mark.xla_default_emitters  # as users compile it (tests/xla_flags.py)
 
 
+def compare_caches(a, b, exact: bool) -> None:
+    """Two caches' leaves equal (`exact`) or to float rounding (codes: a value on a rounding edge may round the
+    other way)."""
+    for x, y in zip(leaves(a), leaves(b)):
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        elif x.dtype.kind in "ui":  # codes, lengths: a value on a rounding edge may round the other way
+            assert (x != y).mean() <= 1e-3
+        else:
+            np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("spec,chunk,lengths,exact", [
     pytest.param(SPEC, 64, [5, 17, 40, 63], True, marks=BIT_FOR_BIT),  # one chunk of 64, ragged
     # three chunks of 64 (3 prompts: a 4-row call with an empty row)
@@ -71,15 +83,9 @@ def test_batched_prefill_gives_each_slot_what_a_prefill_alone_gives(model, spec,
     while (admitted := together.advance(job)) is None:
         calls += 1
     assert calls + 1 == -(-max(lengths) // chunk) == together.counters["prefill_calls"]
-    for (slot_a, tok_a), adm, p in zip(first_alone, admitted, batch):
+    for (slot_a, tok_a), adm in zip(first_alone, admitted):
         assert adm.first[0].token == tok_a
-        for a, b in zip(leaves(alone.extract(slot_a)), leaves(together.extract(adm.slots[0]))):
-            if exact:
-                np.testing.assert_array_equal(a, b)
-            elif a.dtype.kind in "ui":  # codes, lengths: a value on a rounding edge may round the other way
-                assert (a != b).mean() <= 1e-3
-            else:
-                np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-3, atol=1e-4)
+        compare_caches(alone.extract(slot_a), together.extract(adm.slots[0]), exact)
     assert together.count("live") == len(batch)
     # and they decode alike
     for _ in range(20):
@@ -101,18 +107,6 @@ def test_a_batched_prefill_takes_a_power_of_two_of_prompts_within_its_token_budg
     assert job.rows == 4 and job.plan == runtime.ChunkPlan(96, 1, 96)
     with pytest.raises(ValueError, match="prefill_room"):
         eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in prompts(14, [96] * 5)])
-
-
-def compare_caches(a, b, exact: bool) -> None:
-    """Two caches' leaves equal (`exact`) or to float rounding (codes: a value on a rounding edge may round the
-    other way)."""
-    for x, y in zip(leaves(a), leaves(b)):
-        if exact:
-            np.testing.assert_array_equal(x, y)
-        elif x.dtype.kind in "ui":
-            assert (x != y).mean() <= 1e-3
-        else:
-            np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=1e-3, atol=1e-4)
 
 
 def packed_against_alone(params, spec, batch, exact: bool, steps: int) -> None:

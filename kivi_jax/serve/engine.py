@@ -938,17 +938,21 @@ class Engine:
         `pack_width` tokens."""
         return 0 < len(prompt) <= self.pack_width
 
+    def packs(self, prompts: Sequence[list[int]]) -> bool:
+        """Whether one batched prefill of `prompts` is packed: two or more, every one packable."""
+        return len(prompts) > 1 and all(self.packable(p) for p in prompts)
+
+    def fits(self, prompts: Sequence[list[int]]) -> bool:
+        """Whether one batched prefill takes all of `prompts`: packed, at most `prefill_batch` whose tokens in whole
+        PACK_BUCKETs stay within the token budget; else 1 to `prefill_room` prompts of one `prefill_shape`."""
+        if self.packs(prompts):
+            return len(prompts) <= self.prefill_batch and packed_size(sum(map(len, prompts))) <= self.prefill_tokens
+        shapes = {self.prefill_shape(p) for p in prompts}
+        return len(shapes) == 1 and len(prompts) <= self.prefill_room(next(iter(shapes)))
+
     def joins(self, prompts: Sequence[list[int]], prompt: list[int]) -> bool:
-        """Whether one batched prefill may take `prompt` beside `prompts` (those `start_prefill` would take):
-        packable ones while their tokens stay within the token budget, at most `prefill_batch` of them; others of one
-        `prefill_shape`, up to its `prefill_room`."""
-        if not prompts:
-            return True
-        if self.packable(prompt) and all(self.packable(p) for p in prompts):
-            tokens = len(prompt) + sum(len(p) for p in prompts)
-            return len(prompts) < self.prefill_batch and packed_size(tokens) <= self.prefill_tokens
-        shape = self.prefill_shape(prompt)
-        return all(self.prefill_shape(p) == shape for p in prompts) and len(prompts) < self.prefill_room(shape)
+        """Whether one batched prefill may take `prompt` beside `prompts` (those `start_prefill` would take)."""
+        return self.fits([*prompts, prompt])
 
     def prefill_shape(self, prompt: list[int]) -> ChunkPlan:
         """The chunks of the prompt's prefill (width, count, the last's width): prompts of one shape are prefilled
@@ -962,23 +966,21 @@ class Engine:
         return min(self.prefill_batch, 1 << (rows.bit_length() - 1))
 
     def start_prefill(self, requests: Sequence[Waiting]) -> PrefillJob:
-        """Reserves the slots of `requests` (one a choice; prompts that `joins` takes together: two or more packable
-        ones, packed, or prompts of one `prefill_shape`, at most `prefill_room` of them) and sets up their prefill into
-        one cache; `advance` runs it a chunk at a time. A request that does not fit raises as `admit_choices` does,
-        before anything is reserved."""
+        """Reserves the slots of `requests` (one a choice; prompts that one batched prefill `fits`: two or more
+        packable ones, packed, or prompts of one `prefill_shape`, at most `prefill_room` of them) and sets up their
+        prefill into one cache; `advance` runs it a chunk at a time. A request that does not fit raises as
+        `admit_choices` does, before anything is reserved."""
         requests = list(requests)
-        shapes = {self.prefill_shape(r.prompt) for r in requests}
-        packed = len(requests) > 1 and all(self.packable(r.prompt) for r in requests)
-        if packed:
-            tokens = sum(len(r.prompt) for r in requests)
-            if len(requests) > self.prefill_batch or packed_size(tokens) > self.prefill_tokens:
+        prompts = [r.prompt for r in requests]
+        packed = self.packs(prompts)
+        if not self.fits(prompts):
+            if packed:
                 raise ValueError(f"a packed prefill takes at most prefill_batch={self.prefill_batch} prompts within "
-                                 f"prefill_tokens={self.prefill_tokens} (whole {PACK_BUCKET}s), not {len(requests)} "
-                                 f"of {tokens} tokens")
-        elif not requests or len(shapes) != 1 or len(requests) > self.prefill_room(next(iter(shapes))):
+                                 f"prefill_tokens={self.prefill_tokens} (whole {PACK_BUCKET}s), not {len(prompts)} "
+                                 f"of {sum(map(len, prompts))} tokens")
             raise ValueError(f"a batched prefill takes 1 to prefill_room prompts of one prefill shape, not "
-                             f"{len(requests)} of shapes {sorted(shapes)}")
-        plan = chunk_plan(self.pack_width, self.prefill_chunk) if packed else shapes.pop()
+                             f"{len(prompts)} of shapes {sorted({self.prefill_shape(p) for p in prompts})}")
+        plan = chunk_plan(self.pack_width, self.prefill_chunk) if packed else self.prefill_shape(prompts[0])
         need = pages = 0
         for r in requests:
             k, r.constraints = self.check_request(r.prompt, r.samplings, r.constraints, r.max_tokens)
