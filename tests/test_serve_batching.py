@@ -338,6 +338,40 @@ def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec
     assert got[True] == got[False]
 
 
+def test_new_sequences_fill_the_busiest_decode_group_first(model):
+    """Slots are chosen so that live rows stay in few decode groups (each group with a live row is a call of every
+    step): a batch after two others finished (held, prefixes kept) lands in one group of 4, not in the small group's
+    free slots and then the oldest held ones of another (as the lowest free slot first would); a request joins the
+    group already decoding while another group is free; the tokens are those of a prefill alone."""
+    eng = Engine(model.params, SPEC, slots=10, max_length=128, prefill_chunk=64, decode_group=4)
+    assert eng.groups == [(0, 4), (4, 4), (8, 2)]
+    group = lambda slots: {eng._where(s)[0] for s in slots}  # noqa: E731
+
+    def batch(seed: int) -> list:
+        job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in prompts(seed, [9, 11, 13, 15])])
+        admitted = None
+        while admitted is None:
+            admitted = eng.advance(job)
+        return admitted
+
+    for seed in (1, 2):  # two batches that finish, their slots held
+        done = batch(seed)
+        assert len(group([a.slots[0] for a in done])) == 1
+        for a in done:
+            eng.finish(a.slots[0], hold=True)
+    assert eng.count("held") == 8 and eng.count("free") == 2
+    third = batch(3)
+    slots = [a.slots[0] for a in third]
+    assert len(group(slots)) == 1 and eng.groups[group(slots).pop()][1] == 4  # one call of 4 rows a step
+    eng.finish(slots[0], hold=True)
+    prompt = prompts(4, [7])[0]
+    slot, token = eng.admit(prompt, Sampling(0.0))
+    assert slot == slots[0]  # beside the three still decoding (its held prefix given up), not in the free group
+    alone = Engine(model.params, SPEC, slots=1, max_length=128, prefill_chunk=64)
+    assert token == alone.admit(prompt, Sampling(0.0))[1]
+    assert eng.step()[slot] == alone.step()[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True])
 def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):

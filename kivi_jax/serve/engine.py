@@ -785,13 +785,27 @@ class Engine:
         return best
 
     def _pick_slot(self, taken: Sequence[int] = ()) -> int:
-        free = [i for i, s in enumerate(self.slots) if s.state == FREE and i not in taken]
-        if free:
-            return free[0]
-        held = [i for i, s in enumerate(self.slots) if s.state == HELD and i not in taken]
-        if not held:
+        """A slot for a new sequence (`taken`: slots this admission already chose), placed so that the live rows
+        stay in few decode groups, each group with a live row being a call of every decode step: the open slots
+        (free or held) of the group with the most busy ones (live, filling or taken); where no group with a busy
+        slot has room, of the largest group, the one with the most free slots first. There a free slot, else the
+        least recently used held one (its prefix is lost)."""
+        taken = set(taken)
+        busy = lambda i: i in taken or self.slots[i].state in (LIVE, FILLING)  # noqa: E731
+        best, best_rank = None, None
+        for first, n in self.groups:
+            members = range(first, first + n)
+            open_ = [i for i in members if not busy(i) and self.slots[i].state in (FREE, HELD)]
+            if not open_:
+                continue
+            free = [i for i in open_ if self.slots[i].state == FREE]
+            rank = (sum(map(busy, members)), n, len(free))
+            if best_rank is None or rank > best_rank:
+                best_rank = rank
+                best = free[0] if free else min(open_, key=lambda i: self.slots[i].used_at)
+        if best is None:
             raise NoFreeSlot(f"all {self.num_slots} slots are live")
-        return min(held, key=lambda i: self.slots[i].used_at)
+        return best
 
     def prefill_scored(self, tokens: list[int], targets: list[int]):
         """Prefills `tokens` onto a fresh one-sequence cache, scoring each position's prediction of `targets` (as
