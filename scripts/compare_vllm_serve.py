@@ -171,7 +171,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool = False) -> dict:
-    """Every prompt from its own client thread at once; output tokens/s over the whole run, TTFT and ITL, the most
+    """Every prompt from its own client thread, the clients made first and released together; output tokens/s over the whole run, TTFT and ITL, the most
     requests decoding at once (the servers' /metrics sampled every 0.2 s), the preemptions and the prompt tokens
     taken from a prefix cache. `ignore_eos`: every answer runs to `new_tokens`."""
     import httpx
@@ -200,15 +200,22 @@ def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
 
-    def client(i: int) -> None:
-        with httpx.Client(timeout=3600) as http:
-            r = stream_one(http, url, "smollm2", prompts[i], new_tokens, ignore_eos=ignore_eos)
-            results[i] = r
+    # Every client is made (its connection pool, its TLS context) before the clock starts and all send at once: made
+    # as they start, on 2 cores beside a busy server, the 32 sends spread over 0.5-2.8 s, by as much as the server
+    # starved the client, and a late send's shorter wait lowered TTFT (2026-12-07, docs/serving.md "Runs 45-").
+    https = [httpx.Client(timeout=3600) for _ in prompts]
+    go = threading.Barrier(len(prompts) + 1)
 
-    t0 = time.perf_counter()
+    def client(i: int) -> None:
+        with https[i] as http:
+            go.wait()
+            results[i] = stream_one(http, url, "smollm2", prompts[i], new_tokens, ignore_eos=ignore_eos)
+
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
+    go.wait()
+    t0 = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
@@ -219,6 +226,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool
         busy1 = busy(http)
     ok = [r for r in results if r and r["status"] == 200 and r["arrivals"]]
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
+    sent = [r["sent"] - t0 for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tokens = sum(r["tokens"] for r in ok)
     counted = [r["prompt_tokens"] for r in ok]
@@ -227,6 +235,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool
             # as the server counted them (its usage): the same prompts should count alike on every server
             "prompt_tokens": sum(counted) if counted and None not in counted else None,
             "output_tokens_per_s": round(tokens / wall, 2), "ttft_s_p50": pct(ttft, 50), "ttft_s_p99": pct(ttft, 99),
+            "sends_within_s": round(max(sent) - min(sent), 3) if sent else None,  # the first to the last send
             "itl_s_p50": pct(itl, 50), "itl_s_p99": pct(itl, 99), "peak_live": int(max(live)) if live else None,
             "preemptions": (None if preempted0 is None or preempted1 is None else int(preempted1 - preempted0)),
             "prefix_tokens_reused": None if reused0 is None or reused1 is None else int(reused1 - reused0),

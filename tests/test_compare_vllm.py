@@ -145,7 +145,8 @@ def test_a_streamed_answer_reports_the_prompt_tokens_the_server_counted():
 
 def test_ignore_eos_asks_every_answer_to_run_to_the_workloads_new_tokens(monkeypatch):
     """`--ignore-eos` (`run_workload(..., ignore_eos=True)`) puts vLLM's `ignore_eos` in every request, so servers
-    whose answers end at different places still do the same work; without it no request carries it."""
+    whose answers end at different places still do the same work; without it no request carries it. Every client
+    is made before any request is sent."""
     import json
     import threading
 
@@ -160,13 +161,20 @@ def test_ignore_eos_asks_every_answer_to_run_to_the_workloads_new_tokens(monkeyp
         if request.url.path.endswith("/metrics"):
             return httpx.Response(200, text=KIVI_METRICS)
         with lock:
-            bodies.append(json.loads(request.content))
+            bodies.append({**json.loads(request.content), "clients_made": len(made)})
         return httpx.Response(200, text=stream)
 
-    real = httpx.Client
-    monkeypatch.setattr(httpx, "Client", lambda *a, **k: real(transport=httpx.MockTransport(handle)))
+    real, made = httpx.Client, []
+
+    def client(*a, **k):
+        made.append(1)
+        return real(transport=httpx.MockTransport(handle))
+
+    monkeypatch.setattr(httpx, "Client", client)
     for flag in (False, True):
         r = cmp.run_workload("http://server", ["one", "two", "three"], 8, ignore_eos=flag)
-        assert r["ok"] == 3 and r["prompt_tokens"] == 27
+        assert r["ok"] == 3 and r["prompt_tokens"] == 27 and r["sends_within_s"] >= 0
+        # every client of the run made before any of its requests is sent (they are released together)
+        assert len({b["clients_made"] for b in bodies[-3:]}) == 1
     assert sorted(b.get("ignore_eos", False) for b in bodies) == [False] * 3 + [True] * 3
     assert all(b["max_tokens"] == 8 for b in bodies)
