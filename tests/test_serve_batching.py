@@ -109,11 +109,11 @@ def test_a_batched_prefill_takes_a_power_of_two_of_prompts_within_its_token_budg
         eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in prompts(14, [96] * 5)])
 
 
-def packed_against_alone(params, spec, batch, exact: bool, steps: int) -> None:
+def packed_against_alone(params, spec, batch, exact: bool, steps: int, shared: int = 0) -> None:
     """Prefills `batch` (prompts of one chunk of at most PACK_WIDTH tokens) one at a time and packed into one call:
     each slot's cache rows, first greedy token and next `steps` greedy tokens are the same. The slots hold 512
     tokens, the packed call's cache 256 (what one chunk of 128 takes): its rows are zero-padded into the slots as a
-    prefill alone's cache of 512 holds zeros past its prompt."""
+    prefill alone's cache of 512 holds zeros past its prompt. `shared`: the tokens the packed call computes once."""
     n, kw = len(batch), dict(max_length=512, prefill_chunk=512)
     assert runtime.rounded_tokens(engine_mod.PACK_WIDTH, parse_cache_spec(spec)) == 256
     alone = Engine(params, spec, slots=n, prefill_batch=1, **kw)
@@ -125,10 +125,12 @@ def packed_against_alone(params, spec, batch, exact: bool, steps: int) -> None:
         together.free(slot)
     together.counters["prefill_calls"] = 0
     job = together.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch])
-    tokens = sum(len(p) for p in batch)
+    tokens = sum(len(p) - shared for p in batch)
+    assert job.shared == shared
     assert job.packed == runtime.packed_size(tokens) < job.rows * runtime.chunk_size(max(len(p) for p in batch))
-    admitted = together.advance(job)  # one call
-    assert admitted is not None and together.counters["prefill_calls"] == 1 and job.tokens_run == job.packed
+    admitted = together.advance(job)  # one call (and the common prefix's own)
+    assert admitted is not None and together.counters["prefill_calls"] == 1 + bool(shared)
+    assert job.tokens_run == job.packed
     for (slot, token), adm in zip(first_alone, admitted):
         assert adm.first[0].token == token
         compare_caches(alone.extract(slot), together.extract(adm.slots[0]), exact)
@@ -162,6 +164,34 @@ def test_a_packed_prefill_into_a_paged_cache_decodes_as_a_prefill_alone(model, s
     for _ in range(12):
         a, b = alone.step(), together.step()
         assert [a[s] for s, _ in first_alone] == [b[adm.slots[0]] for adm in admitted]
+
+
+@pytest.mark.parametrize("spec", ["k2v2-g8-r32", "full"])
+def test_a_packed_prefills_common_prefix_is_computed_once_and_decodes_as_a_prefill_alone(model, spec):
+    """Prompts that begin alike (a chat template's system prompt) are packed after their common prefix, each row's
+    cache starting from that prefix's, computed once and kept for the next job: every slot gets a prefill alone's
+    cache to float rounding (the prefix's keys and values were computed in another call; the ring of 32 then
+    quantizes them with what follows), its first greedy token and decodes alike; the prefix counts as reused.
+    Prompts of two salts, a prefix the cache would quantize (a ring of 16, int8), or prefix reuse off: nothing
+    shared."""
+    prefix = prompts(30, [20])[0]
+    batch = [prefix + p for p in prompts(31, [3, 17, 40, 60, 100])]
+    packed_against_alone(model.params, spec, batch, exact=False, steps=12, shared=20)
+    eng = Engine(model.params, spec, slots=10, max_length=512, prefill_chunk=512)
+    job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch[:2]])
+    assert job.shared == 20 and eng.counters["prefill_tokens_computed"] == 20  # the prefix's own call
+    eng.advance(job)
+    assert eng.counters["prefill_tokens_computed"] == 20 + 3 + 17 and eng.counters["prefix_tokens_reused"] == 40
+    job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch[2:]])
+    assert job.shared == 20 and len(eng.common_caches) == 1  # kept: not computed again
+    eng.advance(job)
+    assert eng.counters["prefill_tokens_computed"] == 20 + 3 + 17 + 40 + 60 + 100
+    assert eng.common_prefix([Waiting(p, [Sampling(0.0)], salt=s) for p, s in zip(batch, "ab")]) == 0
+    assert eng.common_prefix([Waiting(prefix[:15] + p, [Sampling(0.0)]) for p in prompts(32, [4, 5])]) == 0
+    two = [Waiting(p, [Sampling(0.0)]) for p in batch[:2]]
+    for other, kw in ((spec, dict(prefix_reuse=False)), (SPEC, {}), ("int8", {})):
+        off = Engine(model.params, other, slots=2, max_length=512, prefill_chunk=512, **kw)
+        assert off.common_prefix(two) == 0 and off.exact_prefix == {SPEC: 15, "int8": 0}.get(other, off.exact_prefix)
 
 
 @pytest.mark.slow
@@ -375,26 +405,32 @@ def test_new_sequences_fill_the_busiest_decode_group_first(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True])
 def test_warm_up_compiles_what_serving_runs_and_changes_nothing(model, paged):
-    """After `warm_up` a batch of short prompts, a long prompt of several chunks and decode steps at every live count
-    compile no new program (the prefill chunk, insert, first draw and decode step caches do not grow); the engine is
-    as it was (slots free, every page back, counters untouched) and its answers equal a cold engine's."""
-    kw = dict(slots=6, max_length=MAX_LENGTH, prefill_chunk=64, decode_group=3 if not paged else None,
-              pages=6 * (MAX_LENGTH // 16) if paged else None)
+    """After `warm_up` a batch of short prompts, short prompts with a common prefix, a long prompt of several chunks
+    and decode steps at every live count compile no new program (the prefill chunk, insert, first draw, decode step
+    and the common prefix's extract and tile caches do not grow); the engine is as it was (slots free, every page
+    back, counters untouched, no common prefix kept) and its answers equal a cold engine's."""
+    kw = dict(slots=9, max_length=MAX_LENGTH, prefill_chunk=64, decode_group=3 if not paged else None,
+              pages=9 * (MAX_LENGTH // 16) if paged else None)
     params = jax.device_put(model.params, jax.devices()[0])  # committed, as the default model's load gives them
-    cold, warm = Engine(params, SPEC, **kw), Engine(params, SPEC, **kw)
+    spec = "k2v2-g8-r32"  # a ring that holds a common prefix of 16 or more unquantized (SPEC's 16 would not)
+    cold, warm = Engine(params, spec, **kw), Engine(params, spec, **kw)
     before = dict(warm.counters)
     done = warm.warm_up()
-    assert done["programs"] > 0 and warm.count("free") == 6 and warm.counters == before
+    assert done["programs"] > 0 and warm.count("free") == 9 and warm.counters == before and not warm.common_caches
     if paged:
         assert warm.free_pages() == warm.allocator.num_pages
-    jitted = (runtime.prefill_chunk, runtime.decode_step, runtime.sample_first)
+    jitted = (runtime.prefill_chunk, runtime.decode_step, runtime.sample_first, engine_mod.tile_cache,
+              engine_mod.extract_cache)
     sizes = [f._cache_size() for f in jitted]
     batch = prompts(11, [20, 33, 60, 64, 150])  # four of one chunk (a batch), one of three chunks
+    prefix = prompts(12, [18])[0]
+    alike = [prefix + p for p in prompts(13, [5, 9, 30])]  # packed after their common prefix
 
     def serve(engine):
         out = {}
-        for group in (batch[:4], batch[4:]):
+        for group in (batch[:4], alike, batch[4:]):
             job = engine.start_prefill([Waiting(p, [Sampling(0.0)]) for p in group])
+            assert job.shared == (18 if group is alike else 0)
             while (admitted := engine.advance(job)) is None:
                 pass
             for p, a in zip(group, admitted):

@@ -64,7 +64,8 @@ def add_serve_args(p: argparse.ArgumentParser, cache_default: str = "kivi2") -> 
                         "costs, 32 for bf16 weights on an AMX CPU and for 4- or 8-bit weights such as the GGUF's; "
                         "all slots in one step on a GPU or TPU)")
     p.add_argument("--no-prefix-reuse", action="store_true",
-                   help="never reuse a finished request's cache for a prompt that extends it")
+                   help="never reuse a finished request's cache for a prompt that extends it, nor compute the common "
+                        "prefix of short prompts prefilled together once (a chat template's system prompt)")
     p.add_argument("--prefill-precision", choices=PREFILL_CHOICES, default="float32",
                    help="the operands of a prompt's prefill matmuls: float32 (default, exact); int8 rounds the "
                         "activations of 4- and 8-bit weights to int8 per group (llama.cpp's Q8; 1.5-1.7x faster "

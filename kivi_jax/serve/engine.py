@@ -65,8 +65,12 @@ CPU_PREFILL_TOKENS = 512  # ... and on a CPU, where a prefill is compute-bound: 
 # its own budget between two decode steps, `scheduler.STEP_PREFILL_TOKENS`)
 PACK_WIDTH = 128  # prompts of at most this many tokens (and one chunk) are prefilled packed: a call computes their
 # tokens side by side, whatever their lengths, instead of each padded to its chunk width (docs/serving.md, runs 40-44)
+SHARED_PREFIX_MIN = 16  # tokens a packed prefill's prompts must begin with alike (a chat template's system prompt)
+# for those to be computed once, and each row's cache to start from that prefix's
+SHARED_PREFIXES = 8  # such prefixes' caches kept (one row each), the least recently used dropped first
 
 FREE, LIVE, HELD, FILLING = "free", "live", "held", "filling"  # FILLING: reserved for a batched prefill in progress
+SHARED = "shared"  # warm-up's packed jobs whose prompts share their prefix (`Engine._shared_jobs`)
 
 
 def _spread(tokens: int, n: int) -> list[int]:
@@ -179,6 +183,13 @@ def insert_cache(batch, many, row: jax.Array, slot: jax.Array, axes: tuple[int, 
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
+@functools.partial(jax.jit, static_argnames=("rows", "axes"))
+def tile_cache(one, rows: int, axes: tuple[int, ...]):
+    """A one-sequence cache repeated into `rows` rows, each a copy of it."""
+    leaves, treedef = jax.tree_util.tree_flatten(one)
+    return jax.tree_util.tree_unflatten(treedef, [jnp.repeat(a, rows, axis) for a, axis in zip(leaves, axes)])
+
+
 @functools.partial(jax.jit, static_argnames=("axes", "mesh"))
 def extract_cache(batch, slot: jax.Array, axes: tuple[int, ...], mesh=None):
     """Row `slot` of the batch cache as a one-sequence cache (a copy). With `mesh`: each data shard slices its
@@ -288,6 +299,7 @@ class PrefillJob:
     plan: ChunkPlan  # the prompts' chunks (one plan for all)
     chunks_left: int
     packed: int | None = None  # packed (short prompts of any lengths, one chunk): the token rows its call computes
+    shared: int = 0  # packed: the tokens every prompt begins with, computed once (each row's cache starts with them)
     last: object = None  # logits after each prompt's last token [rows, vocab], once the last chunk ran
     cache: object = None
     taken: list = dataclasses.field(default_factory=list)  # per request: prefix snapshots `(length, cache)` taken
@@ -427,6 +439,10 @@ class Engine:
         # whole PACK_BUCKETs of token rows (and laid out `[rows, pack_width]` for attention and the cache); 0: off
         packs = packed_prefill and self.prefill_batch > 1 and prefill_tokens >= PACK_BUCKET
         self.pack_width = chunk_size(PACK_WIDTH, prefill_chunk) if packs else 0
+        # the longest prefix (up to pack_width) this cache holds as computed, nothing of it quantized: a packed
+        # prefill's common prefix at most (`common_prefix`)
+        keys, values = (np.asarray(q) for q in self.spec.quantized_tokens(np.arange(self.pack_width + 1)))
+        self.exact_prefix = int(np.flatnonzero((keys == 0) & (values == 0)).max())
         self.axes = batch_axes(self.spec, cfg, max_length, self.dtype, attention_impl)
         self.caches = [make_cache(self.spec, cfg, n, max_length, self.dtype, attention_impl, mesh=mesh, pages=pages)
                        for _, n in self.groups]
@@ -439,6 +455,9 @@ class Engine:
         # the scheduler preempts when the pool runs out. Other requests (several choices, a scored prompt), and all
         # without `grow`, take their prompt and max_tokens' pages at admission.
         self.paged = pages is not None
+        # A packed prefill's common prefix, computed once (`common_prefix`): (salt, tokens) -> its one-row cache
+        self.shares_prefixes = prefix_reuse
+        self.common_caches: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self.grow = grow and self.paged
         self.growing: set[int] = set()  # the slots whose pages are taken as they grow (paged)
         # Shared prefixes (paged, `prefix_snapshots` > 0): the newest snapshots, least recently used first
@@ -1014,19 +1033,63 @@ class Engine:
             slots.append(mine)
         rows = 1 << (len(requests) - 1).bit_length()  # a power of two: few compiled shapes
         longest = plan.width if packed else max(len(r.prompt) for r in requests)
+        shared = self.common_prefix(requests) if packed else 0
         tokens = np.full((rows, longest), self.cfg.pad_id, np.int32)
         lengths = np.zeros(rows, np.int32)  # empty rows: nothing prefilled
-        for i, r in enumerate(requests):
-            tokens[i, : len(r.prompt)] = r.prompt
-            lengths[i] = len(r.prompt)
-        # packed, one chunk of pack_width: a cache of that many tokens (the insert pads it to the slot's), not
-        # max_length's (whose zeros cost a call of 8 rows about 8% more)
-        held = min(rounded_tokens(plan.width, self.spec), self.max_length) if packed else self.max_length
-        cache = make_cache(self.spec, self.cfg, rows, held, self.dtype, self.impl)
+        for i, r in enumerate(requests):  # packed with a common prefix: what follows it, onto its cache
+            tokens[i, : len(r.prompt) - shared] = r.prompt[shared:]
+            lengths[i] = len(r.prompt) - shared
+        if shared:
+            cache = tile_cache(self._prefix_cache(requests[0].prompt[:shared], requests[0].salt), rows, self.axes)
+        else:
+            cache = make_cache(self.spec, self.cfg, rows, self.job_tokens(packed), self.dtype, self.impl)
         size = packed_size(int(lengths.sum())) if packed else None
         return PrefillJob(requests, slots, rows, prefill_steps(self.prefill_params, tokens, lengths, cache,
                                                                self.prefill_chunk, packed=size),
-                          plan, plan.chunks, size)
+                          plan, plan.chunks, size, shared)
+
+    def job_tokens(self, packed: bool) -> int:
+        """The tokens a batched prefill's cache holds: packed, one chunk of `pack_width` (the insert pads it to the
+        slot's), not max_length's (whose zeros cost a call of 8 rows about 8% more); else max_length."""
+        if not packed:
+            return self.max_length
+        return min(rounded_tokens(chunk_plan(self.pack_width, self.prefill_chunk).width, self.spec), self.max_length)
+
+    def common_prefix(self, requests: Sequence[Waiting]) -> int:
+        """The tokens a packed prefill of `requests` computes once for all of them (0: none): what every prompt
+        begins with, when prefix reuse is on, their salts agree (prefixes are shared only within one) and it is at
+        least SHARED_PREFIX_MIN tokens, one short of the shortest prompt at most (each computes a token of its own),
+        within `exact_prefix` (what follows attends to the prefix as a prefill alone would: unquantized) and leaves a
+        chunk's room in the job's cache."""
+        if not self.shares_prefixes or len({r.salt for r in requests}) != 1:
+            return 0
+        prompts = [r.prompt for r in requests]
+        limit = min(min(map(len, prompts)) - 1, self.exact_prefix,
+                    self.job_tokens(True) - chunk_plan(self.pack_width, self.prefill_chunk).width)
+        n = 0
+        while n < limit and all(p[n] == prompts[0][n] for p in prompts):
+            n += 1
+        return n if n >= SHARED_PREFIX_MIN else 0
+
+    def _prefix_cache(self, prefix: list[int], salt: str):
+        """The one-row cache (of a packed job's tokens) holding `prefix`: kept from an earlier job of this salt, or
+        prefilled now (a packed call of two rows, one empty: warm-up's smallest) and kept, SHARED_PREFIXES at most."""
+        key = (salt, tuple(prefix))
+        if key in self.common_caches:
+            self.common_caches.move_to_end(key)
+            return self.common_caches[key]
+        width = chunk_plan(self.pack_width, self.prefill_chunk).width
+        tokens = np.full((2, width), self.cfg.pad_id, np.int32)
+        tokens[0, : len(prefix)] = prefix
+        cache = make_cache(self.spec, self.cfg, 2, self.job_tokens(True), self.dtype, self.impl)
+        _, cache = prefill(self.prefill_params, tokens, np.array([len(prefix), 0], np.int32), cache,
+                           self.prefill_chunk, packed=packed_size(len(prefix)))
+        self.counters["prefill_tokens_computed"] += len(prefix)
+        self.counters["prefill_calls"] += 1
+        self.common_caches[key] = extract_cache(cache, jnp.int32(0), self.axes)
+        while len(self.common_caches) > SHARED_PREFIXES:
+            self.common_caches.popitem(last=False)
+        return self.common_caches[key]
 
     def advance(self, job: PrefillJob) -> list[Admitted] | None:
         """Runs the job's next prefill chunk; after the last, each request's choices draw their first tokens and
@@ -1050,7 +1113,8 @@ class Engine:
             out.append(self._place(req, slots, job.last[i : i + 1], job.cache, i, len(req.prompt)))
             if job.taken and job.taken[i]:
                 self._keep_snapshots(req.prompt, job.taken[i], self.slot_pages[slots[0]], req.salt)
-            self.counters["prefill_tokens_computed"] += len(req.prompt)
+            self.counters["prefill_tokens_computed"] += len(req.prompt) - job.shared
+            self.counters["prefix_tokens_reused"] += job.shared
         self.counters["prefill_rows"] += job.rows
         job.cache = job.last = None
         return out
@@ -1163,7 +1227,7 @@ class Engine:
             for start, n in self.groups:
                 sizes.setdefault(n, start)
             plans = [(self._width_jobs(width), False, self.groups[0]) for width in widths]
-            plans += [(packed, True, self.groups[0])]
+            plans += [(packed, True, self.groups[0]), (self._shared_jobs(), SHARED, self.groups[0])]
             smallest = [(self._width_jobs(widths[0]), False)] + [([job for job in packed if len(job) == rows][:1], True)
                                                                  for rows in sorted({len(job) for job in packed})]
             plans += [(jobs, packs, (start, n)) for n, start in sizes.items() if start != self.groups[0][0]
@@ -1180,6 +1244,7 @@ class Engine:
             self.counters.clear()
             self.counters.update(counters)
             self.peak_live, self.prefix_snapshots = peak, keep
+            self.common_caches.clear()
         return {"programs": runs, "seconds": round(time.monotonic() - t0, 1)}
 
     def _width_jobs(self, width: int) -> list[list[int]]:
@@ -1203,11 +1268,22 @@ class Engine:
                     jobs.append(_spread(size, n))
         return jobs
 
-    def _warm_prefills(self, jobs: list[list[int]], packed: bool, start: int, n_group: int) -> int:
+    def _shared_jobs(self) -> list[list[int]]:
+        """Warm-up's packed prefills of prompts with a common prefix (`SHARED`), one for each row count: the prefix's
+        own call, its one-row cache repeated into the job's rows (`tile_cache`)."""
+        if not self.pack_width or not self.shares_prefixes:
+            return []
+        n = SHARED_PREFIX_MIN + 1
+        return [[n] * min(rows, self.prefill_batch)
+                for rows in sorted({1 << (k - 1).bit_length() for k in range(2, self.prefill_batch + 1)})]
+
+    def _warm_prefills(self, jobs: list[list[int]], packed: bool | str, start: int, n_group: int) -> int:
         """Warm-up's prefills of prompts of the given lengths (a list a job) into the decode group of slots `start` ..
         `start + n_group` (every other free slot held back meanwhile), each then freed. A job of more prompts than
         the group's open slots takes as many as it holds (packed: their tokens the same, spread over them; those
-        rows are what such a job forms), and none after it runs (not packed); returns the programs run."""
+        rows are what such a job forms), and none after it runs (not packed); returns the programs run. The prompts
+        differ in their first token, so that a packed call computes all of them, but with `packed` SHARED: alike,
+        so that it computes their common prefix once."""
         held_back = [i for i in range(self.num_slots) if not start <= i < start + n_group
                      and self.slots[i].state == FREE]
         for i in held_back:
@@ -1217,7 +1293,7 @@ class Engine:
             for lengths in jobs:
                 n = min(len(lengths), self.open_slots())
                 cut = n < len(lengths)
-                if cut and packed:
+                if cut and packed and packed != SHARED:
                     if n < 2 or sum(lengths) > n * self.pack_width:
                         continue
                     lengths = _spread(sum(lengths), n)
@@ -1226,7 +1302,9 @@ class Engine:
                 pages = sum(self.admission_pages(k, 1) for k in lengths) if self.paged else 0
                 if n < 1 or (self.paged and pages + self.headroom > self.free_pages()):
                     break
-                prompts = [Waiting([self.cfg.pad_id] * k, [Sampling(0.0)], max_tokens=1) for k in lengths]
+                prompts = [Waiting([self.cfg.pad_id if packed == SHARED else i % self.cfg.vocab_size]
+                                   + [self.cfg.pad_id] * (k - 1), [Sampling(0.0)], max_tokens=1)
+                           for i, k in enumerate(lengths)]
                 if self.prefill_batch > 1:
                     job = self.start_prefill(prompts)
                     while (admitted := self.advance(job)) is None:
