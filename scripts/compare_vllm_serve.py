@@ -52,8 +52,8 @@ WORKLOADS = {
 }
 
 def server_parts(name: str) -> tuple[str, list[str]]:
-    """A --servers entry: `vllm`, or a kivi-jax cache spec with its own serve flags after colons
-    (`kivi2:--prefill-batch=1`) -> (vllm or the spec, the flags)."""
+    """A --servers entry: `vllm` or a kivi-jax cache spec, with the server's own flags after colons
+    (`kivi2:--prefill-batch=1`, `vllm:--block-size=16`) -> (vllm or the spec, the flags)."""
     head, *flags = name.split(":")
     return head, flags
 
@@ -76,14 +76,14 @@ def start(name: str, args, hf_dir: Path, port: int, logfile: Path) -> subprocess
     """One server as a subprocess in its own session, healthy on `port`."""
     cores = os.cpu_count() or 1
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if name == "vllm":
+    spec, flags = server_parts(name)
+    if spec == "vllm":
         cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
                "--served-model-name", "smollm2", "--dtype", args.vllm_dtype, "--max-model-len", str(args.max_length),
-               "--port", str(port), "--host", "127.0.0.1"]
+               "--port", str(port), "--host", "127.0.0.1", *flags]
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     else:
-        spec, flags = server_parts(name)
         cmd = [sys.executable, "-m", "kivi_jax.cli", "serve", "--model", args.model, "--weights", args.weights,
                "--cache", spec, "--cache-budget", f"{args.kv_gib}GiB", "--max-length", str(args.max_length),
                "--port", str(port), "--served-model-name", "smollm2", "--max-queue", "256", *args.kivi_flags, *flags]
@@ -259,10 +259,11 @@ def answers(url: str, prompts: list[str], new_tokens: int) -> list[str]:
 
 def kv_capacity(name: str, logfile: Path) -> str | None:
     """The KV capacity line the server printed at start."""
+    vllm = server_parts(name)[0] == "vllm"
     for line in logfile.read_text(errors="replace").splitlines():
-        if name == "vllm" and ("GPU KV cache size" in line or "KV cache size" in line):
+        if vllm and ("GPU KV cache size" in line or "KV cache size" in line):
             return line.split("] ")[-1].strip()
-        if name != "vllm" and (" slots of " in line or " pages of " in line):  # kivi-jax slots, or paged
+        if not vllm and (" slots of " in line or " pages of " in line):  # kivi-jax slots, or paged
             return line.split("; cache ", 1)[-1].strip()
     return None
 
@@ -282,8 +283,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default="vllm,kivi2",
-                   help="comma-separated: vllm, or a kivi-jax cache spec with its own serve flags after colons "
-                        "(kivi2:--prefill-batch=1); default vllm,kivi2")
+                   help="comma-separated: vllm or a kivi-jax cache spec, with the server's own flags after colons "
+                        "(kivi2:--prefill-batch=1, vllm:--block-size=16); default vllm,kivi2")
     p.add_argument("--workloads", default="short,long,over", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--runs", type=int, default=2, help="runs of each workload on each server (default 2)")
     p.add_argument("--kv-gib", type=int, default=1, help="KV memory of each server in GiB (default 1)")

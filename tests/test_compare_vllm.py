@@ -57,6 +57,24 @@ def test_kv_capacity_reads_slots_and_paged_start_lines(tmp_path):
     assert cmp.kv_capacity("kivi2", log) == "kivi2: 72 slots of 2048 tokens, 14 MiB a slot, 1 GiB in all"
 
 
+def test_a_servers_own_flags_follow_its_command(tmp_path, monkeypatch):
+    """`--servers` entries carry each server's flags after colons, vLLM's too (`vllm:--block-size=16`); the capacity
+    line is read by the server's kind whatever its flags."""
+    import argparse
+
+    monkeypatch.setattr(cmp, "launch", lambda cmd, *a, **k: cmd)
+    monkeypatch.setattr(cmp, "vllm_python", lambda: Path("py"))
+    args = argparse.Namespace(model="smollm2", weights="auto", kv_gib=1, max_length=2048, kivi_flags=["--x"],
+                              vllm_dtype="float32")
+    cmd = cmp.start("vllm:--block-size=16", args, Path("hf"), 8000, tmp_path / "log")
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"] and cmd[-1] == "--block-size=16"
+    cmd = cmp.start("kivi2:--no-prefix-reuse", args, Path("hf"), 8000, tmp_path / "log")
+    assert cmd[cmd.index("--cache") + 1] == "kivi2" and cmd[-2:] == ["--x", "--no-prefix-reuse"]
+    log = tmp_path / "serve.log"
+    log.write_text("INFO [kv_cache_utils.py:1] CPU KV cache size: 23,296 tokens\n")
+    assert cmp.kv_capacity("vllm:--block-size=16", log) == "CPU KV cache size: 23,296 tokens"
+
+
 def test_prefix_cache_hits_are_read_from_either_server():
     vllm = VLLM_METRICS + 'vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 4096.0\n'
     assert cmp.scrape(FakeHttp(vllm), "u", cmp.PREFIX_HIT_SERIES) == 4096.0
