@@ -177,7 +177,7 @@ def test_a_packed_prefills_common_prefix_is_computed_once_and_decodes_as_a_prefi
     prefix = prompts(30, [20])[0]
     batch = [prefix + p for p in prompts(31, [3, 17, 40, 60, 100])]
     packed_against_alone(model.params, spec, batch, exact=False, steps=12, shared=20)
-    eng = Engine(model.params, spec, slots=10, max_length=512, prefill_chunk=512)
+    eng = Engine(model.params, spec, slots=16, max_length=512, prefill_chunk=512)
     job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in batch[:2]])
     assert job.shared == 20 and eng.counters["prefill_tokens_computed"] == 20  # the prefix's own call
     eng.advance(job)
@@ -186,9 +186,16 @@ def test_a_packed_prefills_common_prefix_is_computed_once_and_decodes_as_a_prefi
     assert job.shared == 20 and len(eng.common_caches) == 1  # kept: not computed again
     eng.advance(job)
     assert eng.counters["prefill_tokens_computed"] == 20 + 3 + 17 + 40 + 60 + 100
-    assert eng.common_prefix([Waiting(p, [Sampling(0.0)], salt=s) for p, s in zip(batch, "ab")]) == 0
-    assert eng.common_prefix([Waiting(prefix[:15] + p, [Sampling(0.0)]) for p in prompts(32, [4, 5])]) == 0
-    two = [Waiting(p, [Sampling(0.0)]) for p in batch[:2]]
+    assert eng.common_prefix(batch[:2], ["a", "b"]) == 0 and eng.common_prefix(batch[:2], ["a", "a"]) == 20
+    assert eng.common_prefix([prefix[:15] + p for p in prompts(32, [4, 5])]) == 0
+    # the token budget counts what a packed call computes: 8 prompts of 70 tokens, 400 past their prefix of 20
+    chats = [prefix + p for p in prompts(33, [50] * 8)]
+    assert eng.joins(chats[:7], chats[7]) and not eng.joins(chats[:7], chats[7], ["a"] * 7 + ["b"])
+    assert not eng.joins(chats[:7], prompts(34, [70])[0])  # nothing in common: 560 tokens
+    job = eng.start_prefill([Waiting(p, [Sampling(0.0)]) for p in chats])
+    assert job.shared == 20 and job.packed == 448
+    eng.abandon(job)
+    two = batch[:2]
     for other, kw in ((spec, dict(prefix_reuse=False)), (SPEC, {}), ("int8", {})):
         off = Engine(model.params, other, slots=2, max_length=512, prefill_chunk=512, **kw)
         assert off.common_prefix(two) == 0 and off.exact_prefix == {SPEC: 15, "int8": 0}.get(other, off.exact_prefix)

@@ -975,17 +975,20 @@ class Engine:
         """Whether one batched prefill of `prompts` is packed: two or more, every one packable."""
         return len(prompts) > 1 and all(self.packable(p) for p in prompts)
 
-    def fits(self, prompts: Sequence[list[int]]) -> bool:
-        """Whether one batched prefill takes all of `prompts`: packed, at most `prefill_batch` whose tokens in whole
-        PACK_BUCKETs stay within the token budget; else 1 to `prefill_room` prompts of one `prefill_shape`."""
+    def fits(self, prompts: Sequence[list[int]], salts: Sequence[str] = ()) -> bool:
+        """Whether one batched prefill takes all of `prompts` (of `salts`, one each; none: one salt): packed, at most
+        `prefill_batch` whose tokens past their `common_prefix`, in whole PACK_BUCKETs, stay within the token budget;
+        else 1 to `prefill_room` prompts of one `prefill_shape`."""
         if self.packs(prompts):
-            return len(prompts) <= self.prefill_batch and packed_size(sum(map(len, prompts))) <= self.prefill_tokens
+            computed = sum(map(len, prompts)) - len(prompts) * self.common_prefix(prompts, salts)
+            return len(prompts) <= self.prefill_batch and packed_size(computed) <= self.prefill_tokens
         shapes = {self.prefill_shape(p) for p in prompts}
         return len(shapes) == 1 and len(prompts) <= self.prefill_room(next(iter(shapes)))
 
-    def joins(self, prompts: Sequence[list[int]], prompt: list[int]) -> bool:
-        """Whether one batched prefill may take `prompt` beside `prompts` (those `start_prefill` would take)."""
-        return self.fits([*prompts, prompt])
+    def joins(self, prompts: Sequence[list[int]], prompt: list[int], salts: Sequence[str] = ()) -> bool:
+        """Whether one batched prefill may take `prompt` beside `prompts` (those `start_prefill` would take; `salts`:
+        theirs and then its own, or none: one salt)."""
+        return self.fits([*prompts, prompt], salts)
 
     def prefill_shape(self, prompt: list[int]) -> ChunkPlan:
         """The chunks of the prompt's prefill (width, count, the last's width): prompts of one shape are prefilled
@@ -1004,9 +1007,9 @@ class Engine:
         prefill into one cache; `advance` runs it a chunk at a time. A request that does not fit raises as
         `admit_choices` does, before anything is reserved."""
         requests = list(requests)
-        prompts = [r.prompt for r in requests]
+        prompts, salts = [r.prompt for r in requests], [r.salt for r in requests]
         packed = self.packs(prompts)
-        if not self.fits(prompts):
+        if not self.fits(prompts, salts):
             if packed:
                 raise ValueError(f"a packed prefill takes at most prefill_batch={self.prefill_batch} prompts within "
                                  f"prefill_tokens={self.prefill_tokens} (whole {PACK_BUCKET}s), not {len(prompts)} "
@@ -1033,7 +1036,7 @@ class Engine:
             slots.append(mine)
         rows = 1 << (len(requests) - 1).bit_length()  # a power of two: few compiled shapes
         longest = plan.width if packed else max(len(r.prompt) for r in requests)
-        shared = self.common_prefix(requests) if packed else 0
+        shared = self.common_prefix(prompts, salts) if packed else 0
         tokens = np.full((rows, longest), self.cfg.pad_id, np.int32)
         lengths = np.zeros(rows, np.int32)  # empty rows: nothing prefilled
         for i, r in enumerate(requests):  # packed with a common prefix: what follows it, onto its cache
@@ -1055,15 +1058,14 @@ class Engine:
             return self.max_length
         return min(rounded_tokens(chunk_plan(self.pack_width, self.prefill_chunk).width, self.spec), self.max_length)
 
-    def common_prefix(self, requests: Sequence[Waiting]) -> int:
-        """The tokens a packed prefill of `requests` computes once for all of them (0: none): what every prompt
-        begins with, when prefix reuse is on, their salts agree (prefixes are shared only within one) and it is at
-        least SHARED_PREFIX_MIN tokens, one short of the shortest prompt at most (each computes a token of its own),
-        within `exact_prefix` (what follows attends to the prefix as a prefill alone would: unquantized) and leaves a
-        chunk's room in the job's cache."""
-        if not self.shares_prefixes or len({r.salt for r in requests}) != 1:
+    def common_prefix(self, prompts: Sequence[list[int]], salts: Sequence[str] = ()) -> int:
+        """The tokens a packed prefill of `prompts` (of `salts`, one each; none: one salt) computes once for all of
+        them (0: none): what every prompt begins with, when prefix reuse is on, the salts agree (prefixes are shared
+        only within one) and it is at least SHARED_PREFIX_MIN tokens, one short of the shortest prompt at most (each
+        computes a token of its own), within `exact_prefix` (what follows attends to the prefix as a prefill alone
+        would: unquantized) and leaves a chunk's room in the job's cache."""
+        if not self.shares_prefixes or len(set(salts)) > 1 or len(prompts) < 2:
             return 0
-        prompts = [r.prompt for r in requests]
         limit = min(min(map(len, prompts)) - 1, self.exact_prefix,
                     self.job_tokens(True) - chunk_plan(self.pack_width, self.prefill_chunk).width)
         n = 0

@@ -437,7 +437,8 @@ class Scheduler:
         with self._waiting_changed:
             for req in list(self.waiting):
                 if (req.score_prompt or req.preemptions or req.n > open_slots or pages(req) > open_pages or req.cancelled.is_set()
-                        or not self.engine.joins([t.prompt for t in taken], req.context)
+                        or not self.engine.joins([t.prompt for t in taken], req.context,
+                                                 [t.salt for t in taken] + [req.cache_salt])
                         or not self.engine.batchable(req.context, req.cache_salt)):
                     continue
                 w = self._waiting_of(req)
