@@ -171,9 +171,9 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool = False) -> dict:
-    """Every prompt from its own client thread, the clients made first and released together; output tokens/s over the whole run, TTFT and ITL, the most
-    requests decoding at once (the servers' /metrics sampled every 0.2 s), the preemptions and the prompt tokens
-    taken from a prefix cache. `ignore_eos`: every answer runs to `new_tokens`."""
+    """Every prompt from its own client thread, the clients made first and released together; output tokens/s over
+    the whole run, TTFT and ITL, the most requests decoding at once (the servers' /metrics sampled every 0.2 s), the
+    preemptions and the prompt tokens taken from a prefix cache. `ignore_eos`: every answer runs to `new_tokens`."""
     import httpx
     import numpy as np
 
