@@ -402,8 +402,9 @@ def test_bucketed_decode_equals_the_full_width_step_for_any_live_set(model, spec
 def test_new_sequences_fill_the_busiest_decode_group_first(model):
     """Slots are chosen so that live rows stay in few decode groups (each group with a live row is a call of every
     step): a batch after two others finished (held, prefixes kept) lands in one group of 4, not in the small group's
-    free slots and then the oldest held ones of another (as the lowest free slot first would); a request joins the
-    group already decoding while another group is free; the tokens are those of a prefill alone."""
+    free slots and then the oldest held ones of another (as the lowest free slot first did); a request joins the
+    group already decoding, taking its held slot, while the small group's slots are free; its tokens are a prefill
+    alone's."""
     eng = Engine(model.params, SPEC, slots=10, max_length=128, prefill_chunk=64, decode_group=4)
     assert eng.groups == [(0, 4), (4, 4), (8, 2)]
     group = lambda slots: {eng._where(s)[0] for s in slots}  # noqa: E731
