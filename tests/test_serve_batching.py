@@ -328,6 +328,32 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
     assert outs == [reference(model, short[0], 60), reference(model, short[1], 60), reference(model, long, 8)]
 
 
+def test_an_idle_scheduler_gathers_a_burst_of_requests_into_one_prefill(model, monkeypatch):
+    """Requests that reach an idle scheduler one after another, each within ARRIVAL_QUIET of the last (a burst of
+    clients, each request parsed and tokenized in turn), go into one packed prefill, not the first alone and then the
+    rest; the answers are `generate` alone's. (The quiet time and window are widened here so that a slow test
+    machine's pauses between the submissions do not end the burst.)"""
+    from kivi_jax.serve import scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "ARRIVAL_QUIET", 0.5)
+    monkeypatch.setattr(scheduler_mod, "ARRIVAL_WINDOW", 5.0)
+    eng = Engine(model.params, SPEC, slots=4, max_length=384, prefill_chunk=64)
+    sched = Scheduler(eng, model.tokenizer).start()
+    burst = prompts(7, [5, 9, 14, 20])
+    try:
+        time.sleep(0.2)  # idle, waiting for a request
+        queued = []
+        for p in burst:
+            queued.append(request(p, 6))
+            sched.submit(queued[-1][0])
+            time.sleep(0.05)
+        got = [answer(q) for _, q in queued]
+    finally:
+        sched.stop()
+    assert eng.counters["prefill_calls"] == 1 and eng.counters["prefill_rows"] == 4
+    assert got == [reference(model, p, 6) for p in burst]
+
+
 @pytest.mark.slow
 def test_the_scheduler_prefills_its_token_budget_between_two_decode_steps(model):
     """With a budget of 256 prompt tokens between two decode steps, a 400-token prompt (seven chunks of 64) arriving

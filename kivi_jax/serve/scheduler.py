@@ -41,6 +41,9 @@ SECONDS = {  # where the loop's time goes (/metrics `kivi_serve_<part>_seconds_t
     "decode": "seconds the scheduler spent in decode steps",
     "host": "seconds the scheduler spent on the decoded tokens (stop rules, text, events)",
 }
+ARRIVAL_QUIET = 0.005  # an idle scheduler woken by a request admits once no other has come for this many seconds
+ARRIVAL_WINDOW = 0.025  # ... or this long after it woke: a burst of requests (clients started together, each request
+# parsed and tokenized in turn) goes into one prefill job, not its first request alone and then the rest
 STEP_PREFILL_TOKENS = 2048  # prompt token rows prefilled between two decode steps at most (at least one call): vLLM's
 # max_num_batched_tokens, its OpenAI server's default on a CPU; more calls between steps stall the running streams
 # longer but spend fewer decode steps of few rows while many prompts wait (docs/serving.md, runs 14 and 16)
@@ -342,6 +345,12 @@ class Scheduler:
                     with self._waiting_changed:
                         if not self.waiting:
                             self._waiting_changed.wait(0.05)
+                        deadline, seen = time.monotonic() + ARRIVAL_WINDOW, len(self.waiting)
+                        while seen and time.monotonic() < deadline:  # the rest of a burst
+                            self._waiting_changed.wait(ARRIVAL_QUIET)
+                            if len(self.waiting) == seen:
+                                break
+                            seen = len(self.waiting)
                     t0 = time.monotonic()
                 self._admit()
             if self.job is None:
