@@ -331,8 +331,9 @@ def test_the_scheduler_batches_waiting_prompts_and_interleaves_a_long_one(model)
 def test_an_idle_scheduler_gathers_a_burst_of_requests_into_one_prefill(model, monkeypatch):
     """Requests that reach an idle scheduler one after another, each within ARRIVAL_QUIET of the last (a burst of
     clients, each request parsed and tokenized in turn), go into one packed prefill, not the first alone and then the
-    rest; the answers are `generate` alone's. (The quiet time and window are widened here so that a slow test
-    machine's pauses between the submissions do not end the burst.)"""
+    rest; it waits no longer once a job's worth (prefill_batch) wait; the answers are `generate` alone's. (The quiet
+    time and window are widened here so that a slow test machine's pauses between the submissions do not end the
+    burst.)"""
     from kivi_jax.serve import scheduler as scheduler_mod
 
     monkeypatch.setattr(scheduler_mod, "ARRIVAL_QUIET", 0.5)
@@ -352,6 +353,20 @@ def test_an_idle_scheduler_gathers_a_burst_of_requests_into_one_prefill(model, m
         sched.stop()
     assert eng.counters["prefill_calls"] == 1 and eng.counters["prefill_rows"] == 4
     assert got == [reference(model, p, 6) for p in burst]
+    monkeypatch.setattr(scheduler_mod, "ARRIVAL_QUIET", 5.0)  # a burst would be waited for to the window's end
+    eng = Engine(model.params, SPEC, slots=4, max_length=384, prefill_chunk=64, prefill_batch=2)
+    sched = Scheduler(eng, model.tokenizer).start()
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        first = [request(p, 1) for p in burst[:2]]
+        for req, _ in first:
+            sched.submit(req)
+        [answer(q) for _, q in first]
+        waited = time.monotonic() - t0
+    finally:
+        sched.stop()
+    assert waited < 4.0 and eng.counters["prefill_calls"] == 1  # two, a job's worth: not the 5 s window
 
 
 @pytest.mark.slow

@@ -41,9 +41,10 @@ SECONDS = {  # where the loop's time goes (/metrics `kivi_serve_<part>_seconds_t
     "decode": "seconds the scheduler spent in decode steps",
     "host": "seconds the scheduler spent on the decoded tokens (stop rules, text, events)",
 }
-ARRIVAL_QUIET = 0.005  # an idle scheduler woken by a request admits once no other has come for this many seconds
-ARRIVAL_WINDOW = 0.025  # ... or this long after it woke: a burst of requests (clients started together, each request
-# parsed and tokenized in turn) goes into one prefill job, not its first request alone and then the rest
+ARRIVAL_QUIET = 0.03  # an idle scheduler woken by a request admits once no other has come for this many seconds,
+ARRIVAL_WINDOW = 0.1  # ... this long after it woke, or once a prefill job's worth wait: a burst of requests goes into
+# one prefill job, not its first request alone and then the rest (32 chats sent together reach the queue over 90-120
+# ms here, 3.5 ms apart on average, the second up to 37 ms after the first: docs/serving.md "Runs 45-48")
 STEP_PREFILL_TOKENS = 2048  # prompt token rows prefilled between two decode steps at most (at least one call): vLLM's
 # max_num_batched_tokens, its OpenAI server's default on a CPU; more calls between steps stall the running streams
 # longer but spend fewer decode steps of few rows while many prompts wait (docs/serving.md, runs 14 and 16)
@@ -346,7 +347,7 @@ class Scheduler:
                         if not self.waiting:
                             self._waiting_changed.wait(0.05)
                         deadline, seen = time.monotonic() + ARRIVAL_WINDOW, len(self.waiting)
-                        while seen and time.monotonic() < deadline:  # the rest of a burst
+                        while 0 < seen < self.engine.prefill_batch and time.monotonic() < deadline:  # a burst's rest
                             self._waiting_changed.wait(ARRIVAL_QUIET)
                             if len(self.waiting) == seen:
                                 break
