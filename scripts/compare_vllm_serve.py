@@ -202,7 +202,7 @@ def run_workload(url: str, prompts: list[str], new_tokens: int, ignore_eos: bool
 
     # Every client is made (its connection pool, its TLS context) before the clock starts and all send at once: made
     # as they start, on 2 cores beside a busy server, the 32 sends spread over 0.2-2.7 s, by as much as the server
-    # starved the client, and a late send's shorter wait lowered TTFT (2026-12-07, docs/serving.md "Runs 45-47").
+    # starved the client, and a late send's shorter wait lowered TTFT (2026-12-07, docs/serving.md "Runs 45-49").
     https = [httpx.Client(timeout=3600) for _ in prompts]
     go = threading.Barrier(len(prompts) + 1)
 

@@ -44,7 +44,7 @@ SECONDS = {  # where the loop's time goes (/metrics `kivi_serve_<part>_seconds_t
 ARRIVAL_QUIET = 0.03  # an idle scheduler woken by a request admits once no other has come for this many seconds,
 ARRIVAL_WINDOW = 0.1  # ... this long after it woke, or once a prefill job's worth wait: a burst of requests goes into
 # one prefill job, not its first request alone and then the rest (32 chats sent together reach the queue over 90-120
-# ms here, 3.5 ms apart on average, the second up to 37 ms after the first: docs/serving.md "Runs 45-48")
+# ms here, 3.5 ms apart on average, the second up to 37 ms after the first: docs/serving.md "Runs 45-49")
 STEP_PREFILL_TOKENS = 2048  # prompt token rows prefilled between two decode steps at most (at least one call): vLLM's
 # max_num_batched_tokens, its OpenAI server's default on a CPU; more calls between steps stall the running streams
 # longer but spend fewer decode steps of few rows while many prompts wait (docs/serving.md, runs 14 and 16)
