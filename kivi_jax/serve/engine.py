@@ -1056,7 +1056,7 @@ class Engine:
         slot's), not max_length's (whose zeros cost a call of 8 rows about 8% more); else max_length."""
         if not packed:
             return self.max_length
-        return min(rounded_tokens(chunk_plan(self.pack_width, self.prefill_chunk).width, self.spec), self.max_length)
+        return min(rounded_tokens(self.pack_width, self.spec), self.max_length)
 
     def common_prefix(self, prompts: Sequence[list[int]], salts: Sequence[str] = ()) -> int:
         """The tokens a packed prefill of `prompts` (of `salts`, one each; none: one salt) computes once for all of
@@ -1066,8 +1066,7 @@ class Engine:
         would: unquantized) and leaves a chunk's room in the job's cache."""
         if not self.shares_prefixes or len(set(salts)) > 1 or len(prompts) < 2:
             return 0
-        limit = min(min(map(len, prompts)) - 1, self.exact_prefix,
-                    self.job_tokens(True) - chunk_plan(self.pack_width, self.prefill_chunk).width)
+        limit = min(min(map(len, prompts)) - 1, self.exact_prefix, self.job_tokens(True) - self.pack_width)
         n = 0
         while n < limit and all(p[n] == prompts[0][n] for p in prompts):
             n += 1
@@ -1080,8 +1079,7 @@ class Engine:
         if key in self.common_caches:
             self.common_caches.move_to_end(key)
             return self.common_caches[key]
-        width = chunk_plan(self.pack_width, self.prefill_chunk).width
-        tokens = np.full((2, width), self.cfg.pad_id, np.int32)
+        tokens = np.full((2, self.pack_width), self.cfg.pad_id, np.int32)
         tokens[0, : len(prefix)] = prefix
         cache = make_cache(self.spec, self.cfg, 2, self.job_tokens(True), self.dtype, self.impl)
         _, cache = prefill(self.prefill_params, tokens, np.array([len(prefix), 0], np.int32), cache,
