@@ -110,6 +110,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
     before the model loads (`serve` binds its port there, so that a busy port fails at once). `warmup`: the default
     of --warmup (its engine compiles what it will run before it serves: `Engine.warm_up`)."""
     import kivi_jax
+    from kivi_jax import allocator
     from kivi_jax.bench import parse_bytes
     from kivi_jax.cli_args import _dtype, cache_from_args, mesh_from_args
     from kivi_jax.serve.server import build_server, check_serve_extra
@@ -131,6 +132,7 @@ def server_from_args(args, model_name: str | None = None, progress: bool = True,
         before_load()
     mesh = mesh_from_args(args)
     model = kivi_jax.load(args.model, _dtype(args.dtype), progress=progress, mesh=mesh, weights=args.weights)
+    allocator.keep_freed_memory()  # each step's buffers reuse the last step's freed ones (kivi_jax/allocator.py)
     return build_server(model, spec, slots=args.slots, cache_budget=budget, max_length=args.max_length,
                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                         attention_impl=args.attention_impl, prefix_reuse=not args.no_prefix_reuse,

@@ -1,0 +1,54 @@
+"""The serving process's allocator policy (kivi_jax/allocator.py): a freed large block is reused, not mapped afresh.
+Each check runs in its own process, since the policy holds for the whole process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the policy is glibc's (Linux)")
+
+# Mallocs, touches and frees a 64 MiB block three times before and three times after the policy; prints the minor page
+# faults of each round and what keep_freed_memory returned
+ROUNDS = r"""
+import ctypes, resource, sys
+from kivi_jax import allocator
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+SIZE = 64 << 20
+def faults():
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(SIZE)
+    ctypes.memset(p, 1, SIZE)
+    libc.free(p)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+before = [faults() for _ in range(3)]
+kept = allocator.keep_freed_memory()
+after = [faults() for _ in range(3)]
+print(kept, *before, *after)
+"""
+
+
+def rounds(env_extra: dict | None = None) -> tuple[bool, list[int], list[int]]:
+    """(what keep_freed_memory returned, each round's page faults before it, after it) in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "KIVI_JAX_KEEP_FREED_MEMORY"} | (env_extra or {})
+    out = subprocess.run([sys.executable, "-c", ROUNDS], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    kept, *faults = out.stdout.split()
+    return kept == "True", [int(f) for f in faults[:3]], [int(f) for f in faults[3:]]
+
+
+def test_freed_blocks_are_reused_once_kept():
+    kept, before, after = rounds()
+    pages = (64 << 20) // 4096
+    assert kept
+    assert min(before) > pages // 2, before  # glibc maps each 64 MiB block afresh: every page faults every round
+    assert max(after[1:]) < pages // 100, after  # kept: the block freed in the round before is reused
+
+
+def test_the_policy_can_be_left_off():
+    kept, before, after = rounds({"KIVI_JAX_KEEP_FREED_MEMORY": "0"})
+    assert not kept
+    assert min(after) > (64 << 20) // 4096 // 2, after
