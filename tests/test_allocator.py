@@ -52,3 +52,18 @@ def test_the_policy_can_be_left_off():
     kept, before, after = rounds({"KIVI_JAX_KEEP_FREED_MEMORY": "0"})
     assert not kept
     assert min(after) > (64 << 20) // 4096 // 2, after
+
+
+def test_the_server_command_sets_the_policy_once_its_model_is_loaded(tiny_dirs, monkeypatch):
+    """`serve` and `bench serve` build their server through `server_from_args`, which sets the policy (here only
+    recorded: the policy holds for the whole process)."""
+    from kivi_jax import allocator
+    from kivi_jax.cli import build_parser
+    from kivi_jax.serve import cli as serve_cli
+
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("kept") or True)
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama_mha"][0]), "--cache", "k2v2-g8-r16",
+                                      "--slots", "2", "--max-length", "64", "--no-warmup"])
+    server = serve_cli.server_from_args(args, progress=False)
+    assert calls == ["kept"] and server.scheduler.engine.live_slots() == []
