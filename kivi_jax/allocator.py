@@ -2,8 +2,8 @@
 
 XLA:CPU allocates each call's buffers afresh (a 32-row SmolLM2 decode step: one 54 MiB block of temporaries), and
 glibc maps every block past its mmap threshold (at most 32 MiB) with its own `mmap` and unmaps it when freed, so each
-call touches fresh pages again: about 6,000 page faults a 32-row step on the 2-core VM, where the step took 5-9% less
-time without them (docs/serving.md, "Freed memory kept"). `keep_freed_memory` turns glibc's mapping of large blocks
+call touches fresh pages again: about 6,000 page faults a 32-row step on the 2-core VM, whose served decode took 9%
+less time without them (docs/serving.md, "Freed memory kept"). `keep_freed_memory` turns glibc's mapping of large blocks
 and its trimming of the heap off, so that the next call of that size reuses the freed block. The price: the process
 keeps the most heap it ever used (freed memory is not returned to the system).
 """
