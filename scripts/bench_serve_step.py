@@ -18,7 +18,8 @@ With `--slots S`: also the whole step of an engine of S slots holding L live seq
 the live rows computed, padded to a power of two), in bucketed groups of 16, and in unbucketed groups of 16
 (`Engine(buckets=False)`, what a CPU server ran before buckets), each the median of `--steps`.
 Beside them: XLA:CPU's dot rate at the step's shapes (`[L, hidden] x [hidden, intermediate]`), a large square
-matmul's rate (the machine's attainable FLOP rate) and a copy's bandwidth (numpy, 512 MiB).
+matmul's rate (the machine's attainable FLOP rate) and a copy's bandwidth (numpy, 512 MiB). The process keeps the
+memory it frees once the model is loaded, as the server does (`KIVI_JAX_KEEP_FREED_MEMORY=0`: it does not).
 """
 
 from __future__ import annotations
@@ -96,11 +97,12 @@ def main(argv=None) -> int:
 
     import kivi_jax
     from kivi_jax.models.decoder import forward
-    from kivi_jax import runtime, weights
+    from kivi_jax import allocator, runtime, weights
     from kivi_jax.serve import engine as E
     from kivi_jax.sampling import Sampling, row_settings
 
     model = kivi_jax.load(args.model, progress=False, weights=args.weights, dtype=args.dtype)
+    allocator.keep_freed_memory()  # as the server does once its model is loaded (kivi_jax/allocator.py)
     params, cfg = model.params, model.config
     rng = np.random.RandomState(0)
     weights_fn = jax.jit(forward)
