@@ -588,12 +588,15 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     `impl`: a chunk's dense segments may take the native kernel (`chunk_native`; "xla": never). Returns `[batch, T,
     q_heads, head_dim]` in q's dtype.
     """
-    rows = group_queries(q, positions, k_store.kv_heads)
+    # queries past num_new are padding (a packed prefill's row holds a short prompt in 128 tokens): at position -1
+    # they precede every key, so the one kernel call's causal rule skips their rows (their output is never read)
+    q_positions = jnp.where(jnp.arange(q.shape[1])[None, :] < num_new[:, None], positions, -1)  # [batch, T]
+    rows = group_queries(q, q_positions, k_store.kv_heads)
     many = many_rows(rows.q.shape[2])
     # a chunk's many rows may take the kernel; few (a short chunk's) fold the scales into q and p on XLA's path
     native = many and chunk_native(impl, rows, softcap) and not int8_dots
     if native:
-        rows = as_token_major(q, positions, rows)
+        rows = as_token_major(q, q_positions, rows)
         from kivi_jax.native import attend
 
         if attend.unsupported_store(k_store, v_store, inv_freq) is None:  # every segment in one call of the kernel
