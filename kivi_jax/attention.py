@@ -85,6 +85,13 @@ class Rows(NamedTuple):
     token_major: bool = False
 
 
+def query_positions(positions: jax.Array, num_new: jax.Array) -> jax.Array:
+    """The new tokens' positions `[batch, T]` as their queries see them: past `num_new [batch]` (padding: a packed
+    prefill's row holds a short prompt in 128 tokens) -1, before every key, so that a chunk's causal segments skip
+    those rows (the kernel's work items of padding only do nothing); their output is never read."""
+    return jnp.where(jnp.arange(positions.shape[1])[None, :] < num_new[:, None], positions, -1)
+
+
 def group_queries(q: jax.Array, positions: jax.Array, kv_heads: int) -> Rows:
     """q `[batch, T, q_heads, head_dim]`, positions `[batch, T]` -> `Rows` (row `t * n_rep + r`). A chunk of
     bfloat16 queries (`many_rows`) dots in bfloat16 (the model's matmuls do: a bfloat16 prefill or bfloat16 weights,
@@ -356,11 +363,12 @@ def attend_full_xla(q, positions, k_cache, v_cache, layer, length, k_new, v_new,
     `impl`: a chunk's segments may take the native kernel (`chunk_native`; "xla": never). Returns `[batch, T,
     q_heads, head_dim]`."""
     kv_heads, num_tokens = k_cache.shape[-3], k_cache.shape[-2]
-    rows = group_queries(q, positions, kv_heads)
+    q_positions = query_positions(positions, num_new)  # padding at -1: the chunk's own causal segment skips its rows
+    rows = group_queries(q, q_positions, kv_heads)
     block = block_size(num_tokens, getattr(k_cache, "block_multiple", 1), block)  # whole pages of a paged cache
     native = chunk_native(impl, rows, softcap)
     if native:
-        rows = as_token_major(q, positions, rows)
+        rows = as_token_major(q, q_positions, rows)
 
     def step(state: Softmax, start, first_new) -> Softmax:
         kb = stored_tokens(k_cache, layer, start, block)  # [batch, kv_heads, block, head_dim]
@@ -588,9 +596,7 @@ def attend_kivi_xla(q, positions, k_store, v_store, layer, k_ring, v_ring, lengt
     `impl`: a chunk's dense segments may take the native kernel (`chunk_native`; "xla": never). Returns `[batch, T,
     q_heads, head_dim]` in q's dtype.
     """
-    # queries past num_new are padding (a packed prefill's row holds a short prompt in 128 tokens): at position -1
-    # they precede every key, so the one kernel call's causal rule skips their rows (their output is never read)
-    q_positions = jnp.where(jnp.arange(q.shape[1])[None, :] < num_new[:, None], positions, -1)  # [batch, T]
+    q_positions = query_positions(positions, num_new)  # padding at -1: the one kernel call skips its rows
     rows = group_queries(q, q_positions, k_store.kv_heads)
     many = many_rows(rows.q.shape[2])
     # a chunk's many rows may take the kernel; few (a short chunk's) fold the scales into q and p on XLA's path

@@ -215,6 +215,33 @@ def test_a_chunk_over_a_kivi_store_in_one_call_equals_the_segments(case, stacked
     assert not got[~real_rows].any()
 
 
+def test_a_full_caches_first_chunk_skips_its_padded_queries():
+    """A full-precision cache's chunk onto an empty cache (a packed prefill's rows: ragged prompts in one width): the
+    kernel's new-token segment equals the XLA path on the real queries, and a padded query (at position -1,
+    `attention.query_positions`) sees no key there, so its output is zero."""
+    if not dots_served(jnp.float32):
+        pytest.skip(f"`auto` does not take the kernel here: {attend.unsupported(jnp.float32, 64, None)}")
+    rng = np.random.default_rng(5)
+    batch, heads, n_rep, head_dim, tokens, max_tokens = 3, 2, 3, 64, 40, 128
+    new = np.array([40, 17, 1])
+    length, num_new = jnp.zeros((batch,), jnp.int32), jnp.asarray(new, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens))
+    cache = jnp.zeros((batch, heads, max_tokens, head_dim), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((batch, tokens, heads * n_rep, head_dim)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((batch, tokens, heads, head_dim)), jnp.float32) for _ in range(2))
+
+    def attend_with(impl):
+        return jax.jit(lambda q: attention.attend_full_xla(q, positions, cache, cache, None, length, k_new, v_new,
+                                                           num_new, None, impl=impl))
+
+    assert "kivi_jax_chunk_attend" in attend_with("auto").lower(q).as_text()
+    want, got = np.asarray(attend_with("xla")(q)), np.asarray(attend_with("auto")(q))
+    real_rows = np.arange(tokens)[None, :] < new[:, None]
+    close(got[real_rows], want[real_rows], jnp.float32)
+    assert np.abs(want[real_rows]).mean() > 0.05
+    assert not got[~real_rows].any()
+
+
 def test_the_kernel_refuses_a_store_it_does_not_read():
     s = QuantStore.zeros((1, 1), 64, 64, 2, 32, "channel", jnp.float16)
     t = QuantStore.zeros((1, 1), 64, 64, 2, 32, "token", jnp.float16)
