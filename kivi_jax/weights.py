@@ -67,6 +67,7 @@ class QuantizedMatrix:
     scale: jax.Array  # [(layers,) rows, cols // group] float16 or float32
     mn: jax.Array | None  # like scale (asymmetric formats), else None
     layer: jax.Array | None = None  # set inside the layer scan: read the stack at this index
+    strips: jax.Array | None = None  # [(layers,) strips, bytes] uint8: the strip-major copy (`with_strips`), or None
     fmt: str = struct.field(pytree_node=False, default="q8_0")
     bits: int = struct.field(pytree_node=False, default=8)
     group: int = struct.field(pytree_node=False, default=32)
@@ -98,8 +99,8 @@ class QuantizedMatrix:
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scale, self.mn)
-                   if a is not None)
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in (self.codes, self.scale, self.mn, self.strips) if a is not None)
 
     # -- reading ------------------------------------------------------------------------------------------------------
 
@@ -593,13 +594,60 @@ def stack_layers(mats: list[QuantizedMatrix]) -> QuantizedMatrix:
         raise ValueError(f"the layers do not share one format and shape ({sorted({m.fmt for m in mats})})")
     stack = lambda name: None if getattr(first, name) is None else np.stack([np.asarray(getattr(m, name))
                                                                             for m in mats])
-    return first.replace(codes=stack("codes"), scale=stack("scale"), mn=stack("mn"))
+    return first.replace(codes=stack("codes"), scale=stack("scale"), mn=stack("mn"), strips=None)
 
 
 def map_rows(w: QuantizedMatrix, fn) -> QuantizedMatrix:
     """The matrix with `fn` applied to each leaf along its row axis (e.g. a permutation of the rows: rows are
-    quantized independently, so this is exact)."""
-    return w.replace(codes=fn(w.codes), scale=fn(w.scale), mn=None if w.mn is None else fn(w.mn))
+    quantized independently, so this is exact). A strip-major copy is dropped (`with_strips` makes it again)."""
+    return w.replace(codes=fn(w.codes), scale=fn(w.scale), mn=None if w.mn is None else fn(w.mn), strips=None)
+
+
+def strip_layout(w: QuantizedMatrix, rows: int) -> np.ndarray:
+    """The strip-major copy of a 4- or 8-bit matrix for a native kernel whose packed strips take `rows` weight rows
+    (`native.matmul.strip_rows()`; matmul_cpu.cc `decoded_strip` reads it) -> uint8 `[(layers,) strips, bytes]`:
+    strip s holds rows `[s rows, (s + 1) rows)` (zero past the last) as their codes column by column (4-bit: byte j
+    of a column holds row j's code in its low nibble and row j + rows/2's in its high one; 8-bit: `rows` int8 codes),
+    then their scales `[groups, rows]` and mins `[groups, rows]` (when the format has them) as stored, the whole padded
+    to a multiple of 64 bytes."""
+    if w.bits not in (4, 8) or rows % 2:
+        raise ValueError(f"a strip-major copy takes 4- or 8-bit codes in strips of an even row count, not "
+                         f"{w.bits}-bit codes in strips of {rows}")
+    codes = np.asarray(w.codes)
+    if w.bits == 4:  # GGUF's layout within a group -> one code a byte, in column order
+        g = codes.reshape(codes.shape[:-1] + (-1, w.group // 2))  # [..., rows, groups, G/2]
+        codes = np.concatenate([g & 0xF, g >> 4], axis=-1).reshape(codes.shape[:-1] + (w.num_cols,))
+    lead, num_rows = codes.shape[:-2], w.num_rows
+    strips = -(-num_rows // rows)
+
+    def strip_major(a: np.ndarray) -> np.ndarray:  # [..., R, k] -> [..., strips, k, rows] contiguous, zero past R
+        pad = np.zeros(lead + (strips * rows - num_rows, a.shape[-1]), a.dtype)
+        a = np.concatenate([a, pad], axis=-2).reshape(lead + (strips, rows, a.shape[-1]))
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2))
+
+    c = strip_major(codes.view(np.uint8))  # [..., strips, cols, rows]
+    if w.bits == 4:
+        c = c[..., : rows // 2] | (c[..., rows // 2 :] << 4)  # [..., strips, cols, rows / 2]
+    parts = [c, strip_major(np.asarray(w.scale))] + ([] if w.mn is None else [strip_major(np.asarray(w.mn))])
+    flat = [np.ascontiguousarray(p).view(np.uint8).reshape(lead + (strips, -1)) for p in parts]
+    used = sum(f.shape[-1] for f in flat)
+    return np.concatenate(flat + [np.zeros(lead + (strips, -used % 64), np.uint8)], axis=-1)
+
+
+def with_strips(params):
+    """`params` whose 4- and 8-bit matrices also hold their strip-major copy (`strip_layout`), so that the native
+    kernel's calls of more than `native.matmul.STRIP_ROWS` activation rows (a batched decode step, a prefill chunk)
+    decode it straight into their packed strips, transposing nothing (docs/kernels.md "Quantized weights"). The price
+    is a second copy of those matrices' codes and scales (92 MiB for SmolLM2-135M's GGUF blocks). `params` as they are
+    when the default backend is not the CPU or the native kernels are not built."""
+    from kivi_jax.native import matmul
+
+    rows = matmul.strip_rows() if jax.default_backend() == "cpu" else None
+    if rows is None:
+        return params
+    new = {name: w.replace(strips=jnp.asarray(strip_layout(w, rows))) for name, w, _ in _quantizable(params)
+           if is_quantized(w) and w.bits in (4, 8) and w.strips is None}
+    return replace_leaves(params, new) if new else params
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -573,6 +573,32 @@ def test_an_auto_prefill_precision_rounds_quantized_activations_where_the_cpu_ha
     assert floats.prefill_precision == "float32" and floats.prefill_params is floats.params
 
 
+def test_an_engine_decodes_quantized_weights_from_their_strip_major_copy_as_without_it(model):
+    """On the CPU an engine gives its 4- and 8-bit matrices their strip-major copy (`weights.with_strips`: what its
+    prefill chunks and decode steps past 16 rows decode), and its answers are bit for bit those of an engine without
+    one (`weight_strips=False`): 20 prompts' first tokens (prefill calls of 20-59 rows) and three decode steps of 20
+    live rows, every row's token and log-probabilities."""
+    from kivi_jax import native
+
+    quantized = kivi_jax.weights.convert_params(model.params, "int8")  # 8-bit codes, a group a row
+    engines = [Engine(quantized, SPEC, slots=20, decode_group=20, max_length=MAX_LENGTH, weight_strips=copy)
+               for copy in (True, False)]
+    mats = lambda p: [w for w in jax.tree_util.tree_leaves(p, is_leaf=kivi_jax.weights.is_quantized)
+                      if kivi_jax.weights.is_quantized(w)]
+    assert all((w.strips is not None) == native.available() for w in mats(engines[0].decode_params))
+    assert all(w.strips is None for w in mats(engines[1].decode_params))
+    batch = prompts(29, np.random.RandomState(29).randint(20, 60, 20))  # prefill calls of 20-59 rows
+    got = []
+    for e in engines:
+        admitted = [e.admit_choices(p, [Sampling(0.0)], logprobs=True) for p in batch]
+        firsts = [(a.slots[0], a.first[0].token, tuple(lp for _, lp in a.first[0].top)) for a in admitted]
+        steps = [sorted((s, r.token, tuple(lp for _, lp in r.top)) for s, r in e.step_scored().items())
+                 for _ in range(3)]  # steps of 20 live rows
+        got.append((firsts, steps))
+    assert len(got[0][1][0]) == 20
+    assert got[0] == got[1]
+
+
 def test_an_int8_decode_precision_rounds_the_decode_steps_only(model):
     """`decode_precision='int8'` (`serve --decode-precision int8`): every decode step dots int8-rounded activations
     of the quantized weights (a step's log-probabilities within int8's rounding of the exact engine's, and not equal:

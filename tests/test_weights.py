@@ -94,6 +94,56 @@ def test_native_matmul_equals_the_xla_twin(fmt, rows, cols):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (fmt, batch)
 
 
+@pytest.mark.parametrize("fmt, rows, cols", NATIVE_CASES + [("q4_1", 65, 64), ("q8_0", 32, 32)])
+def test_a_strip_major_copy_gives_the_same_products(fmt, rows, cols):
+    """A matrix holding its strip-major copy (`weights.with_strips`: a call past 16 rows decodes it straight into
+    the kernel's packed strips) gives bit for bit the products of the same matrix without it, at every row count; a
+    corrupted copy changes the products past 16 rows only (so the copy is what those read), and a copy laid out for
+    other strips is refused."""
+    from kivi_jax.native import matmul
+
+    assert native.available(), native.error()
+    w = random_matrix(fmt, rows, cols, layers=3, seed=rows).replace(impl="native")
+    strip = matmul.strip_rows()
+    copy = weights.strip_layout(w, strip)
+    assert copy.shape[:2] == (3, -(-rows // strip)) and copy.dtype == np.uint8 and copy.shape[2] % 64 == 0
+    with_copy = w.replace(strips=jnp.asarray(copy))
+    corrupt = copy.copy()
+    corrupt[2, -1, : cols * w.bits * strip // 8] ^= 0x11  # the last strip's codes at layer 2
+    f = jax.jit(lambda x, w, layer: w.at_layer(layer).matmul_t(x))
+    for batch in (1, 9, 16, 17, 32, 45, 131, 523):
+        x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, cols)), jnp.float32)
+        want = np.asarray(f(x, w, jnp.int32(2)))
+        np.testing.assert_array_equal(np.asarray(f(x, with_copy, jnp.int32(2))), want)
+        changed = np.asarray(f(x, w.replace(strips=jnp.asarray(corrupt)), jnp.int32(2))) != want
+        assert changed.any() == (batch > matmul.STRIP_ROWS), batch
+        assert not changed[:, : (rows - 1) // strip * strip].any()  # the other strips read as they are
+    other = w.replace(strips=jnp.asarray(weights.strip_layout(w, strip // 2)))
+    with pytest.raises(Exception, match="strips must be uint8"):
+        f(jnp.ones((20, cols), jnp.float32), other, jnp.int32(0)).block_until_ready()
+
+
+def test_with_strips_copies_every_4_and_8_bit_matrix_and_a_reordering_drops_the_copy():
+    """`with_strips` gives every 4- and 8-bit matrix of a model its copy (counted in `nbytes`) and leaves float
+    params as they are; permuting a matrix's rows (`map_rows`) or stacking layers drops a copy that would be stale."""
+    from kivi_jax.native import matmul
+
+    params = init_params(tiny_cfg(), jax.random.PRNGKey(0), std=0.1)
+    quantized = weights.convert_params(params, "int4-g32")  # 4-bit projections, int8 embeddings
+    copied = weights.with_strips(quantized)
+    mats = lambda p: [w for w in jax.tree_util.tree_leaves(p, is_leaf=weights.is_quantized) if weights.is_quantized(w)]
+    assert mats(copied) and all(w.strips is not None for w in mats(copied))
+    assert all(w.strips is None for w in mats(quantized))
+    for a, b in zip(mats(quantized), mats(copied)):
+        assert b.nbytes == a.nbytes + b.strips.size
+        np.testing.assert_array_equal(np.asarray(b.strips), weights.strip_layout(a, matmul.strip_rows()))
+    assert weights.with_strips(params) is params  # float weights: nothing to copy
+    w = mats(copied)[0]
+    assert weights.map_rows(w, lambda a: a[..., ::-1, :]).strips is None
+    single = [w.replace(codes=w.codes[i], scale=w.scale[i], mn=None if w.mn is None else w.mn[i]) for i in range(2)]
+    assert weights.stack_layers(single).strips is None
+
+
 def test_native_is_taken_for_decode_and_prefill_in_one_call(monkeypatch):
     from kivi_jax.native import matmul
 

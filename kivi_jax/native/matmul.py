@@ -35,6 +35,16 @@ def int8_matmul() -> bool:
     return lib is not None and bool(lib.kivi_jax_int8_matmul())
 
 
+STRIP_ROWS = 16  # activation rows past which a call of float32 activations takes packed strips (matmul_cpu.cc)
+
+
+def strip_rows() -> int | None:
+    """Weight rows of the built kernel's packed strips (what `weights.strip_layout` lays a strip-major copy out
+    for: 32 with AVX-512, 16 with AVX2), or None when the kernels are not built."""
+    lib = build.load()
+    return None if lib is None else int(lib.kivi_jax_strip_rows())
+
+
 def takes_int8(bits: int, group: int) -> bool:
     """Whether codes of `bits` bits in groups of `group` columns may dot int8 activations (`weights.q8_dot`): 4 or
     8 bits, groups a multiple of 4 (the kernel's dots take four columns at a time)."""
@@ -75,14 +85,16 @@ def call_layer(ws) -> jax.Array:
 def qmatmul(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
     """`x [n, cols]` float32 times `M^T` of each quantized matrix in `ws` (matrices sharing their input, e.g. q, k
     and v; each one layer, or a stack read at its `layer`) -> one `[n, rows]` float32 array each, in one call. A
-    matrix with `dot_dtype='int8'` takes x rounded to int8 per group (twin: `kivi_jax.weights.q8_dot`)."""
+    matrix with `dot_dtype='int8'` takes x rounded to int8 per group (twin: `kivi_jax.weights.q8_dot`); one with a
+    strip-major copy (`weights.with_strips`) gives the same results, decoding that copy past STRIP_ROWS rows."""
     layer = call_layer(ws)
     operands, results = [], []
     for w in ws:
         stack = (lambda a: a) if w.codes.ndim == 3 else (lambda a: a[None])
         codes, scale = stack(w.codes), stack(w.scale)
         mn = jnp.zeros((0,), scale.dtype) if w.mn is None else stack(w.mn)
-        operands += [codes, scale, mn]
+        strips = jnp.zeros((0,), jnp.uint8) if w.strips is None else stack(w.strips)
+        operands += [codes, scale, mn, strips]
         results.append(jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32))
     call = jax.ffi.ffi_call("kivi_jax_qmatmul", tuple(results))
     return tuple(call(x.astype(jnp.float32), layer, *operands, bits=np.array([w.bits for w in ws], np.int64),

@@ -48,6 +48,8 @@ struct QArgs {
   int offset;
   const float* xsum;  // [N, NG] the activations' sums over each group
   float* y;  // [N, R]
+  const uint8_t* strips = nullptr;  // [S, strip_bytes] at the layer (`decoded_strip`), or null
+  int64_t strip_bytes = 0;
 };
 
 // One scale or min (element i of a float16, bfloat16 or float32 array) as a float.
@@ -345,19 +347,80 @@ void item(const QArgs& a, int bits, int64_t r0, int64_t r1) {
   }
 }
 
+// The strip-major copy of a matrix (`weights.with_strips`, for calls of more than STRIP_ROWS rows): strip s holds
+// weight rows [s GEMM_NR, (s + 1) GEMM_NR) (zero past R) as strip_bytes bytes: their codes column by column (4-bit:
+// W bytes a column, byte j holding row j's code in its low nibble and row j + W's in its high one; 8-bit: GEMM_NR
+// int8 codes a column), then their scales [NG][GEMM_NR] and, with mins, their mins [NG][GEMM_NR] in the scales'
+// type, padded to a multiple of 64 bytes. Decoded, a column is GEMM_NV whole vectors of the packed strip: no
+// transposition (`strip_item`).
+static_assert(GEMM_NV == 2, "a strip-major column is two vectors: the low and the high nibbles of W bytes");
+
+inline int64_t strip_layout_bytes(int64_t C, int64_t NG, int bits, int64_t scale_bytes, bool mins) {
+  const int64_t n = C * GEMM_NR * bits / 8 + NG * GEMM_NR * scale_bytes * (mins ? 2 : 1);
+  return (n + 63) / 64 * 64;
+}
+
+// Strip s of the strip-major copy decoded into bp [C][GEMM_NR]: (code - offset) * scale + min in float32, the same
+// values as `decoded_row` gives those rows' columns.
+template <int BITS, ScaleType ST>
+void decoded_strip(const QArgs& a, int64_t s, float* bp) {
+  constexpr int64_t col_bytes = GEMM_NR * BITS / 8;
+  constexpr int64_t scale_bytes = ST == F32 ? 4 : 2;
+  const int64_t C = a.C, G = a.G, NG = a.NG;
+  const uint8_t* base = a.strips + s * a.strip_bytes;
+  const uint8_t* sc = base + C * col_bytes;
+  const uint8_t* mn = a.mn ? sc + NG * GEMM_NR * scale_bytes : nullptr;
+  for (int64_t g = 0; g < NG; ++g) {
+    vf scale[GEMM_NV], mf[GEMM_NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < GEMM_NV; ++j) {
+      scale[j] = scales_at<ST>(sc, g * GEMM_NR + j * W);
+      mf[j] = (mn ? scales_at<ST>(mn, g * GEMM_NR + j * W) : vf{}) - vsplat((float)a.offset) * scale[j];
+    }
+    for (int64_t c = g * G; c < (g + 1) * G; ++c) {
+      const uint8_t* p = base + c * col_bytes;
+      float* o = bp + c * GEMM_NR;
+      vf lo, hi;
+      if (BITS == 4) {
+        const vi v = widen(p);
+        lo = __builtin_convertvector(v & (vi{} + 0xF), vf);
+        hi = __builtin_convertvector(v >> 4, vf);
+      } else {
+        lo = codes8(reinterpret_cast<const int8_t*>(p));
+        hi = codes8(reinterpret_cast<const int8_t*>(p) + W);
+      }
+      vstore(o, lo * scale[0] + mf[0]);
+      vstore(o + W, hi * scale[1] + mf[1]);
+    }
+  }
+}
+
+template <int BITS>
+void decoded_strip_any(const QArgs& a, int64_t s, float* bp) {  // the scale type picked per call
+  if (a.st == F16) decoded_strip<BITS, F16>(a, s, bp);
+  else if (a.st == F32) decoded_strip<BITS, F32>(a, s, bp);
+  else decoded_strip<BITS, BF16>(a, s, bp);
+}
+
 // Output rows [r0, r0 + GEMM_NR) (clipped to R) of y [N, R] = x M^T for activation rows [n0, n1) (more than
-// STRIP_ROWS in all): the strip's weight rows decoded (`decoded_row`) and transposed into a packed
-// strip, then gemm.h's tiles, as for a float32 projection.
+// STRIP_ROWS in all): the packed strip decoded from the strip-major copy when the call has one (`decoded_strip`),
+// else the strip's weight rows decoded (`decoded_row`) and transposed into it; then gemm.h's tiles, as for a float32
+// projection.
 void strip_item(const QArgs& a, int bits, int64_t r0, int64_t n0, int64_t n1) {
   thread_local line_vector<float> rows, strip;
-  if (rows.size() < (size_t)(GEMM_NR * a.C)) rows.resize(GEMM_NR * a.C);
   if (strip.size() < (size_t)(GEMM_NR * a.C)) strip.resize(GEMM_NR * a.C);
   const int64_t n = std::min<int64_t>(GEMM_NR, a.R - r0);
-  for (int64_t j = 0; j < n; ++j) {
-    if (bits == 4) decoded_row<4>(a, r0 + j, rows.data() + j * a.C);
-    else decoded_row<8>(a, r0 + j, rows.data() + j * a.C);
+  if (a.strips) {
+    if (bits == 4) decoded_strip_any<4>(a, r0 / GEMM_NR, strip.data());
+    else decoded_strip_any<8>(a, r0 / GEMM_NR, strip.data());
+  } else {
+    if (rows.size() < (size_t)(GEMM_NR * a.C)) rows.resize(GEMM_NR * a.C);
+    for (int64_t j = 0; j < n; ++j) {
+      if (bits == 4) decoded_row<4>(a, r0 + j, rows.data() + j * a.C);
+      else decoded_row<8>(a, r0 + j, rows.data() + j * a.C);
+    }
+    pack_rows_strip(rows.data(), a.C, n, strip.data());
   }
-  pack_rows_strip(rows.data(), a.C, n, strip.data());
   gemm_rows(a.x, a.C, strip.data(), a.y, a.R, n0, n1, r0, n);
 }
 
@@ -665,9 +728,9 @@ void q8_strip_item(const QArgs& a, int bits, const Q8Rows& r, int64_t r0, int64_
 #endif
 
 // One matrix of a call, checked: its QArgs (x, y and xsum set by the caller) and bits.
-ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer mn, int64_t layer, int64_t N,
-                       int64_t C, int64_t bits, int64_t group, int64_t offset, QArgs& a) {
-  auto cd = codes.dimensions(), sd = scale.dimensions(), md = mn.dimensions();
+ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer mn, ffi::AnyBuffer strips,
+                       int64_t layer, int64_t N, int64_t C, int64_t bits, int64_t group, int64_t offset, QArgs& a) {
+  auto cd = codes.dimensions(), sd = scale.dimensions(), md = mn.dimensions(), pd = strips.dimensions();
   if (cd.size() != 3 || sd.size() != 3) return ffi::Error::InvalidArgument("qmatmul: codes and scales must be [L, R, .]");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("qmatmul: bits must be 4 or 8");
   a.N = N;
@@ -689,6 +752,16 @@ ffi::Error matrix_args(ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffe
   a.codes = static_cast<const uint8_t*>(codes.untyped_data()) + l * a.R * cd[2];
   a.scale = static_cast<const uint8_t*>(scale.untyped_data()) + l * a.R * a.NG * scale_bytes;
   a.mn = has_min ? static_cast<const uint8_t*>(mn.untyped_data()) + l * a.R * a.NG * scale_bytes : nullptr;
+  if (pd.size() == 3) {  // the strip-major copy
+    const int64_t S = (a.R + GEMM_NR - 1) / GEMM_NR, B = strip_layout_bytes(a.C, a.NG, (int)bits, scale_bytes, has_min);
+    if (pd[0] != L || pd[1] != S || pd[2] != B || strips.element_type() != ffi::DataType::U8)
+      return ffi::Error::InvalidArgument("qmatmul: strips must be uint8 [L, R / strip rows, strip bytes] "
+                                         "(weights.strip_layout for this build's strip rows)");
+    a.strips = static_cast<const uint8_t*>(strips.untyped_data()) + l * S * B;
+    a.strip_bytes = B;
+  } else if (strips.element_count() != 0) {
+    return ffi::Error::InvalidArgument("qmatmul: strips must be [L, S, bytes] or empty");
+  }
   return ffi::Error::Success();
 }
 
@@ -701,9 +774,9 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x must be [N, C]");
   const size_t M = bits.size();
-  if (M == 0 || groups.size() != M || offsets.size() != M || int8.size() != M || args.size() != 3 * M ||
+  if (M == 0 || groups.size() != M || offsets.size() != M || int8.size() != M || args.size() != 4 * M ||
       rets.size() != M)
-    return ffi::Error::InvalidArgument("qmatmul: three operands (codes, scales, mins) and one result a matrix");
+    return ffi::Error::InvalidArgument("qmatmul: four operands (codes, scales, mins, strips) and one result a matrix");
   const int64_t N = xd[0], C = xd[1], l = layer.typed_data()[0];
   std::vector<QArgs> mats(M);
 #if KIVI_VNNI
@@ -718,13 +791,13 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   std::vector<std::vector<float>> xsums(M);
   std::vector<int64_t> first(M + 1, 0);  // first work item of each matrix
   for (size_t i = 0; i < M; ++i) {
-    auto codes = args.get<ffi::AnyBuffer>(3 * i), scale = args.get<ffi::AnyBuffer>(3 * i + 1),
-         mn = args.get<ffi::AnyBuffer>(3 * i + 2);
+    auto codes = args.get<ffi::AnyBuffer>(4 * i), scale = args.get<ffi::AnyBuffer>(4 * i + 1),
+         mn = args.get<ffi::AnyBuffer>(4 * i + 2), strips = args.get<ffi::AnyBuffer>(4 * i + 3);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
-    if (!codes.has_value() || !scale.has_value() || !mn.has_value() || !y.has_value())
+    if (!codes.has_value() || !scale.has_value() || !mn.has_value() || !strips.has_value() || !y.has_value())
       return ffi::Error::InvalidArgument("qmatmul: operands must be buffers, results float32 buffers");
     QArgs& a = mats[i];
-    ffi::Error err = matrix_args(*codes, *scale, *mn, l, N, C, bits[i], groups[i], offsets[i], a);
+    ffi::Error err = matrix_args(*codes, *scale, *mn, *strips, l, N, C, bits[i], groups[i], offsets[i], a);
     if (err.failure()) return err;
     if ((*y)->element_count() != (size_t)(N * a.R)) return ffi::Error::InvalidArgument("qmatmul: y must be [N, R]");
     a.x = x.typed_data();
@@ -811,12 +884,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KiviJaxQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [N, C]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .RemainingArgs()               // per matrix: codes [L, R, C * bits / 8] (int8 or
-                                                                 // uint8), scales [L, R, C / G], mins (or [0])
+                                                                 // uint8), scales [L, R, C / G], mins (or [0]),
+                                                                 // strips [L, S, bytes] uint8 (or [0])
                                   .RemainingRets()               // per matrix: y [N, R] float32
                                   .Attr<ffi::Span<const int64_t>>("bits")
                                   .Attr<ffi::Span<const int64_t>>("group")
                                   .Attr<ffi::Span<const int64_t>>("offset")
                                   .Attr<ffi::Span<const int64_t>>("int8"));  // x rounded to int8 (q8_dot)
+
+// The weight rows of this build's packed strips (`decoded_strip`: a strip-major copy must have them).
+extern "C" int kivi_jax_strip_rows() { return (int)GEMM_NR; }
 
 // Whether this build's quantized matmul takes int8 activations (`int8`: AVX512-VNNI and BW).
 #if KIVI_VNNI

@@ -379,6 +379,7 @@ class Engine:
         prefill_precision: str = "float32",
         decode_precision: str = "float32",
         packed_prefill: bool = True,
+        weight_strips: bool = True,
     ):
         cfg = params.config
         if pages is not None and mesh is not None:  # heads split over model, every page on every device
@@ -422,6 +423,8 @@ class Engine:
         self.mesh = mesh
         if mesh is not None:
             params = sharding.shard_params(params, mesh)
+        elif weight_strips:  # steps past 16 rows decode 4- and 8-bit weights from a strip-major copy (none on a mesh)
+            params = weights.with_strips(params)
         self.params, self.cfg, self.dtype, self.impl = params, cfg, params.dtype, attention_impl
         # A plain prompt's prefill dots with operands rounded to `prefill_precision`, every decode step (a scored
         # prompt's forced tokens too) with `decode_precision` (weights.dot_view); a scored prompt's prefill is exact
