@@ -23,11 +23,13 @@ rate on a CPU that has it; its codes are the bits as uint16 because XLA:CPU wide
 to slice a layer out of it, and not an integer one.
 
 `matmul_t(x) = x @ M.T`: on the CPU backend, for float32 inputs of any number of rows, the native kernel reads the
-codes once (`kivi_jax/native/matmul_cpu.cc`; past `native.matmul.SPLIT_ROWS` rows, a prefill chunk's, decoded a
-strip of rows at a time into gemm.h's packed tiles); otherwise (GPU, TPU, a device mesh, `impl="xla"`, other
-dtypes) the XLA path dequantizes inside the dot. A float32 projection seen through `native_view` (`FloatMatrix`)
-takes its native kernel for any number of rows too; a float32 table for at most SPLIT_ROWS. Inside the layer scan a
-stacked weight is read at the layer index (`at_layer`), never sliced.
+codes once (`kivi_jax/native/matmul_cpu.cc`; past `native.matmul.STRIP_ROWS` rows, a prefill chunk's or a batched
+decode step's, decoded a strip of rows at a time into gemm.h's packed tiles); otherwise (GPU, TPU, a device mesh,
+`impl="xla"`, other dtypes) the XLA path dequantizes inside the dot. A matrix may also hold a strip-major copy of its
+codes (`with_strips`, which the serving engine makes): the strips then decode it with no transposition, giving the
+same products. A float32 projection seen through `native_view` (`FloatMatrix`) takes its native kernel for any
+number of rows too; a float32 table for at most `native.matmul.SPLIT_ROWS`. Inside the layer scan a stacked weight is
+read at the layer index (`at_layer`), never sliced.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@
 // Each weight row is read once per call whatever the batch: work items are blocks of rows shared out on XLA's
 // intra-op thread pool; an item walks its rows for every tile of up to TILE activation rows, the tiles after the
 // first reading the item's codes from cache. The stacked [layers, R, ...] leaves are read in place at the layer index.
+// Past STRIP_ROWS activation rows a matrix's strip-major copy, when the call has one (`decoded_strip`), is decoded
+// straight into the packed strips that `strip_item`'s tiles read.
 
 #include "gemm.h"
 

@@ -102,7 +102,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                  prefill_tokens: int | None = None, paged: bool = False, grow: bool = True,
                  prefix_snapshots: int = 0, warmup: bool = False, prefill_precision: str = "float32",
                  decode_precision: str = "float32", step_prefill_tokens: int = STEP_PREFILL_TOKENS,
-                 packed_prefill: bool = True) -> Server:
+                 packed_prefill: bool = True, weight_strips: bool = True) -> Server:
     """The engine, its scheduler and the FastAPI app for `model` (a `kivi_jax.load` Model). Capacity: `slots`, or
     the most slots of `max_length` tokens whose cache fits `cache_budget` bytes (with `mesh`: bytes per device, the
     slots a multiple of its data axis). `max_body_bytes` (the largest request body) and `shutdown_timeout` (seconds
@@ -118,7 +118,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     auto). `step_prefill_tokens`:
     the prompt token rows the scheduler prefills between two decode steps at most (`Scheduler`). `packed_prefill`:
     short prompts of any lengths are prefilled together, their tokens side by side (`Engine`; False: only prompts of
-    one chunk width together, each padded to it)."""
+    one chunk width together, each padded to it). `weight_strips`: 4- and 8-bit weights also held strip-major for the
+    native kernel's calls past 16 rows (`weights.with_strips`: faster batched steps, a second copy of the codes)."""
     check_serve_extra()
     from kivi_jax.serve import http
 
@@ -138,7 +139,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
                         attention_impl=attention_impl, mesh=mesh, prefill_batch=prefill_batch,
                         prefill_tokens=prefill_tokens, pages=capacity["pages"], grow=grow,
                         prefix_snapshots=prefix_snapshots, prefill_precision=prefill_precision,
-                        decode_precision=decode_precision, packed_prefill=packed_prefill)
+                        decode_precision=decode_precision, packed_prefill=packed_prefill,
+                        weight_strips=weight_strips)
         if warmup:
             capacity["warmup"] = engine.warm_up()
         scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
@@ -163,7 +165,8 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
                     prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision,
-                    decode_precision=decode_precision, packed_prefill=packed_prefill)
+                    decode_precision=decode_precision, packed_prefill=packed_prefill,
+                        weight_strips=weight_strips)
     if warmup:
         capacity["warmup"] = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
