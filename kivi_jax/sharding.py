@@ -328,8 +328,12 @@ def put(x, mesh: Mesh, spec: P = P()):
 
 
 def shard_params(params, mesh):
-    """Params placed on `mesh` by their declared axes (a leaf already placed so is kept as it is)."""
+    """Params placed on `mesh` by their declared axes (a leaf already placed so is kept as it is; a quantized
+    matrix's strip-major copy dropped: the native kernel that reads it does not run on a mesh)."""
+    from kivi_jax import weights
+
     mesh = resolve_mesh(mesh)
+    params = weights.without_strips(params)
     return jax.tree_util.tree_map(lambda x, s: put(x, mesh, s), params, param_specs(params, mesh),
                                   is_leaf=lambda x: isinstance(x, P))
 

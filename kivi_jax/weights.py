@@ -652,6 +652,14 @@ def with_strips(params):
     return replace_leaves(params, new) if new else params
 
 
+def without_strips(params):
+    """`params` with no strip-major copy (`with_strips`): what a device mesh shards, where the kernel that reads the
+    copy does not run."""
+    new = {name: w.replace(strips=None) for name, w, _ in _quantizable(params)
+           if is_quantized(w) and w.strips is not None}
+    return replace_leaves(params, new) if new else params
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Params in a chosen format
 

@@ -289,7 +289,7 @@ def check_generate(mesh_text: str, reference: bool = True) -> dict:
 
 def check_weights() -> dict:
     """Quantized weights on a mesh: `generate` with int8 and int4-g32 params (their codes, scales and mins placed by
-    the table, rows split with the weights' output axis) gives the one-device tokens."""
+    the table, rows split with the weights' output axis, a strip-major copy dropped) gives the one-device tokens."""
     from kivi_jax import weights
 
     params = init_params(tiny("llama"), jax.random.PRNGKey(0), std=0.1)
@@ -300,8 +300,9 @@ def check_weights() -> dict:
     for fmt in ("int8", "int4-g32"):
         q = weights.convert_params(params, fmt)
         mesh = sharding.make_mesh("data=2,model=4")
-        placed = sharding.shard_params(q, mesh)
+        placed = sharding.shard_params(weights.with_strips(q), mesh)  # a strip-major copy is not placed
         out[fmt] = {"got": generate(q, batch, mesh="data=2,model=4", **kw).sequences,
+                    "strips_dropped": all(w.strips is None for w in (placed.layers.wq, placed.layers.wo, placed.embed)),
                     "ref": generate(q, batch, **kw).sequences,
                     "wq_codes_spec": str(placed.layers.wq.codes.sharding.spec),
                     "wq_scale_spec": str(placed.layers.wq.scale.sharding.spec),

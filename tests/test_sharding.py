@@ -310,12 +310,13 @@ def test_generate_with_a_mesh(devices8):
 @pytest.mark.slow
 def test_quantized_weights_with_a_mesh(devices8):
     """int8 and int4 weights sharded like their float leaves (a projection's rows are its output units: wq's rows
-    split over model, wo's columns) give the one-device tokens."""
+    split over model, wo's columns) give the one-device tokens; placing params drops a strip-major copy."""
     for fmt, r in devices8["weights"].items():
         assert r["got"] == r["ref"] and all(len(s) == 5 for s in r["got"]), (fmt, r)
         spec = lambda key: r[key].replace("PartitionSpec(", "P(")  # noqa: E731 (jax versions print P or PartitionSpec)
         assert spec("wq_codes_spec") == spec("wq_scale_spec") == "P(None, 'model')", r
         assert spec("wo_codes_spec") == "P(None, None, 'model')", r
+        assert r["strips_dropped"], r  # the engine's strip-major copy is for the one-device native kernel only
 
 
 @pytest.mark.slow

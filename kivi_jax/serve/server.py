@@ -165,8 +165,7 @@ def build_server(model, cache="kivi2", *, slots: int | None = None, cache_budget
     engine = Engine(params, spec, slots=slots, max_length=max_length, prefill_chunk=prefill_chunk,
                     attention_impl=attention_impl, prefix_reuse=prefix_reuse, decode_group=decode_group, mesh=mesh,
                     prefill_batch=prefill_batch, prefill_tokens=prefill_tokens, prefill_precision=prefill_precision,
-                    decode_precision=decode_precision, packed_prefill=packed_prefill,
-                        weight_strips=weight_strips)
+                    decode_precision=decode_precision, packed_prefill=packed_prefill, weight_strips=weight_strips)
     if warmup:
         capacity["warmup"] = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
