@@ -138,7 +138,8 @@ def test_with_strips_copies_every_4_and_8_bit_matrix_and_a_reordering_drops_the_
         assert b.nbytes == a.nbytes + b.strips.size
         np.testing.assert_array_equal(np.asarray(b.strips), weights.strip_layout(a, matmul.strip_rows()))
     assert weights.with_strips(params) is params  # float weights: nothing to copy
-    w = mats(copied)[0]
+    w = copied.layers.wq  # a stack [layers, rows, ...]
+    assert w.strips is not None and w.strips.shape[0] == w.codes.shape[0] == 2
     assert weights.map_rows(w, lambda a: a[..., ::-1, :]).strips is None
     single = [w.replace(codes=w.codes[i], scale=w.scale[i], mn=None if w.mn is None else w.mn[i]) for i in range(2)]
     assert weights.stack_layers(single).strips is None
