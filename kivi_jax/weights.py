@@ -615,10 +615,7 @@ def strip_layout(w: QuantizedMatrix, rows: int) -> np.ndarray:
     if w.bits not in (4, 8) or rows % 2:
         raise ValueError(f"a strip-major copy takes 4- or 8-bit codes in strips of an even row count, not "
                          f"{w.bits}-bit codes in strips of {rows}")
-    codes = np.asarray(w.codes)
-    if w.bits == 4:  # GGUF's layout within a group -> one code a byte, in column order
-        g = codes.reshape(codes.shape[:-1] + (-1, w.group // 2))  # [..., rows, groups, G/2]
-        codes = np.concatenate([g & 0xF, g >> 4], axis=-1).reshape(codes.shape[:-1] + (w.num_cols,))
+    codes = np.asarray(_unpack4(w.codes, w.group) if w.bits == 4 else w.codes)  # one code a byte, column order
     lead, num_rows = codes.shape[:-2], w.num_rows
     strips = -(-num_rows // rows)
 

@@ -382,15 +382,9 @@ void decoded_strip(const QArgs& a, int64_t s, float* bp) {
     for (int64_t c = g * G; c < (g + 1) * G; ++c) {
       const uint8_t* p = base + c * col_bytes;
       float* o = bp + c * GEMM_NR;
-      vf lo, hi;
-      if (BITS == 4) {
-        const vi v = widen(p);
-        lo = __builtin_convertvector(v & (vi{} + 0xF), vf);
-        hi = __builtin_convertvector(v >> 4, vf);
-      } else {
-        lo = codes8(reinterpret_cast<const int8_t*>(p));
-        hi = codes8(reinterpret_cast<const int8_t*>(p) + W);
-      }
+      vf lo, hi, unused;
+      decode<BITS>(p, lo, hi);  // 4-bit: rows 0 .. W - 1 (low nibbles) and W .. 2W - 1 (high)
+      if (BITS == 8) decode<8>(p + W, hi, unused);  // 8-bit: rows W .. 2W - 1 from the next W bytes
       vstore(o, lo * scale[0] + mf[0]);
       vstore(o + W, hi * scale[1] + mf[1]);
     }
