@@ -178,7 +178,9 @@ void pack(Segment& a, int64_t bh) {
   thread_local line_vector<float> buf;  // a block's store keys and values, dequantized
   if ((int64_t)buf.size() < 64 * D) buf.resize(64 * D);
   const float *kr[32], *vr[32];
+  const uint64_t* ok = &a.ok_bits[bh / a.H * a.steps];
   for (int64_t j = 0; j < blocks; ++j) {
+    if (!ok[32 * j / KEYS]) continue;  // a step none of whose keys is ok is never read (run_item skips it)
     for (int64_t n = 0; n < 32; ++n) a.rows_at(bh, 32 * j + n, &buf[n * D], &buf[(32 + n) * D], kr[n], vr[n]);
     for (int64_t n = 0; n < 32; ++n)
       for (int64_t d = 0; d < D; d += 32)
@@ -224,7 +226,9 @@ void pack_f32(Segment& a, int64_t bh) {
   thread_local line_vector<float> buf;  // 16 store keys and values, dequantized
   if ((int64_t)buf.size() < 32 * D) buf.resize(32 * D);
   const float *kr[16], *vr[16];
+  const uint64_t* ok = &a.ok_bits[bh / a.H * a.steps];
   for (int64_t t0 = 0; t0 < Tp; t0 += 16) {
+    if (!ok[t0 / KEYS]) continue;  // a step none of whose keys is ok is never read (run_item skips it)
     for (int64_t n = 0; n < 16; ++n) a.rows_at(bh, t0 + n, &buf[n * D], &buf[(16 + n) * D], kr[n], vr[n]);
     for (int64_t n = 0; n < 16; ++n) {
       if (kr[n])
@@ -511,6 +515,33 @@ void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int
 #endif
     return;
   }
+#if defined(__AVX512F__)
+  if (a.f32) {  // Q^T and acc^T, 16 rows by 16 channels at a time transposed in registers
+    const __m512 scale = _mm512_set1_ps(a.scale);
+    for (int64_t g = 0; g < 2; ++g)
+      for (int64_t c = 0; c < D / 16; ++c) {
+        __m512i r[16];  // r[n]: row 16 g + n's channels 16 c..; transposed, r[dd]: channel 16 c + dd of the rows
+        for (int64_t n = 0; n < 16; ++n) {
+          if (16 * g + n >= nr) {
+            r[n] = _mm512_setzero_si512();
+            continue;
+          }
+          const int64_t at = a.row(b, h, r0 + 16 * g + n) * D + 16 * c;
+          const __m512 x = a.q_bf16 ? bf16_load(static_cast<const uint16_t*>(a.q) + at)
+                                    : _mm512_loadu_ps(static_cast<const float*>(a.q) + at);
+          r[n] = _mm512_castps_si512(_mm512_mul_ps(x, scale));
+        }
+        transpose16(r);
+        for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.qtf[(16 * c + dd) * ROWS + 16 * g], r[dd]);
+        for (int64_t n = 0; n < 16; ++n)
+          r[n] = 16 * g + n < nr && !a.fresh ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
+                                             : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
+      }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < ROWS; ++i)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       if (i < nr) a.query(b, h, r0 + i, d0, qf);
@@ -570,6 +601,22 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
     qlo = std::min(qlo, it.qpos[i]);
     qhi = std::max(qhi, it.qpos[i]);
   }
+  // no step seen by any row (rows of padding, at position -1): from nothing seen, the rows come out as they start
+  const auto runs = [&](int64_t s) {
+    const uint64_t ok = a.ok_bits[b * a.steps + s];
+    return ok && !(a.causal && a.lo[b * a.steps + s] > qhi) &&
+           !(a.window && (int64_t)qlo - a.hi[b * a.steps + s] >= a.window);
+  };
+  bool any = false;
+  for (int64_t s = 0; s < a.steps && !any; ++s) any = runs(s);
+  if (!any && a.fresh) {
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t row = a.row(b, h, r0 + i);
+      a.m[row] = NEG_INF, a.l[row] = 0.f;
+      std::memset(a.acc + row * D, 0, D * sizeof(float));
+    }
+    return;
+  }
   load_rows(a, it, b, h, r0, nr);
   const uint16_t* kp = a.f32 ? nullptr : a.kp + bh * a.packed();
   const uint16_t* vt = a.f32 ? nullptr : a.vt + bh * a.packed();
@@ -580,10 +627,9 @@ void run_item(const Segment& a, int64_t b, int64_t h, int64_t r0) {
   if (a.amx) load_square_tiles();
 #endif
   for (int64_t s = 0; s < a.steps; ++s) {
+    // skipped: no key ok, every key after every row, or every key out of every window
+    if (!runs(s)) continue;
     const uint64_t ok = a.ok_bits[b * a.steps + s];
-    if (!ok) continue;
-    if (a.causal && a.lo[b * a.steps + s] > qhi) continue;  // every key after every row
-    if (a.window && (int64_t)qlo - a.hi[b * a.steps + s] >= a.window) continue;  // every key out of every window
     if (a.f32)
       scores_f32(a, it, kf, s, it.st.data());
 #if KIVI_AMX
@@ -709,7 +755,7 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
   if (!a.fresh && a.l != l_in.typed_data()) std::memcpy(a.l, l_in.typed_data(), l_in.size_bytes());
   if (!a.fresh && a.acc != acc_in.typed_data()) std::memcpy(a.acc, acc_in.typed_data(), acc_in.size_bytes());
   // packed keys and values: this thread's buffers, kept between calls (a fresh one costs its page faults), every
-  // word of a packed (b, h) written by `pack`
+  // word of a step that has ok keys written by `pack` (`run_item` reads no other)
   thread_local line_vector<uint16_t> kp, vt;
   thread_local line_vector<float> kf, vtf;
   const size_t packed = a.B * a.H * a.packed();
