@@ -553,29 +553,40 @@ def sink_tokens(state: Softmax, rows: Rows, k_sink: jax.Array, v_sink: jax.Array
                    softcap, native=native)
 
 
-def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array) -> jax.Array:
+def window_tensor(store, layer, ring: jax.Array, held: jax.Array, length: jax.Array, lazy: bool = False) -> jax.Array:
     """float32 `[batch, kv_heads, R, head_dim]`: what attention sees for each ring slot's token `held [batch, R]`.
 
     The ring's own entry, unless the token is already quantized (a per-channel store's last flushed block), in which
-    case its dequantized value: ring slot s and row s of that R-block hold the same token.
+    case its dequantized value: ring slot s and row s of that R-block hold the same token. `lazy`: the block is
+    gathered and dequantized only when some written slot's token is quantized (a `lax.cond`: a chunk's call, where a
+    short prompt's never is); a never-written slot (negative token, never counted) may then read the ring's entry.
     """
     residual = ring.shape[2]
     ring = ring.astype(jnp.float32)
     if store.axis == "token":  # a per-token store quantizes a token exactly when it leaves the ring
         return ring
     end = layout.quantized_end(store.axis, length, residual)  # [batch]
-    rows = layout.last_flushed_block(length, residual)[:, None] + jnp.arange(residual)[None, :]
-    block = store.gather_rows(layer, rows).dequantize()  # [batch, kv_heads, R, head_dim]
-    return jnp.where((held < end[:, None])[:, None, :, None], block, ring)
+    quantized = held < end[:, None]  # [batch, R]
+
+    def with_block() -> jax.Array:
+        rows = layout.last_flushed_block(length, residual)[:, None] + jnp.arange(residual)[None, :]
+        block = store.gather_rows(layer, rows).dequantize()  # [batch, kv_heads, R, head_dim]
+        return jnp.where(quantized[:, None, :, None], block, ring)
+
+    if not lazy:
+        return with_block()
+    return jax.lax.cond(jnp.any(quantized & (held >= 0)), with_block, lambda: ring)
 
 
-def ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks: int, inv_freq=None):
+def ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks: int, inv_freq=None,
+                lazy: bool = False):
     """The ring segment of a KIVI cache's layer: keys and values `[batch, kv_heads, R, head_dim]` float32
-    (`window_tensor`; keys rotated for a pre-RoPE cache), the token each slot holds `[batch, R]`, and which slots count
-    (tokens not yet quantized in both stores, past the sinks; never-written slots hold negative tokens)."""
+    (`window_tensor`, `lazy` or not; keys rotated for a pre-RoPE cache), the token each slot holds `[batch, R]`, and
+    which slots count (tokens not yet quantized in both stores, past the sinks; never-written slots hold negative
+    tokens)."""
     held = layout.ring_tokens(length, k_ring.shape[2])  # [batch, R]
-    k_win = rotated(window_tensor(k_store, layer, k_ring, held, length), held, inv_freq)
-    v_win = window_tensor(v_store, layer, v_ring, held, length)
+    k_win = rotated(window_tensor(k_store, layer, k_ring, held, length, lazy), held, inv_freq)
+    v_win = window_tensor(v_store, layer, v_ring, held, length, lazy)
     return k_win, v_win, held, (held >= main_end[:, None]) & (held >= num_sinks)
 
 
@@ -632,7 +643,8 @@ def chunk_in_one_call(rows: Rows, k_store, v_store, layer, k_ring, v_ring, lengt
     batch = length.shape[0]
     num_sinks = 0 if sinks is None else sinks[0].shape[2]
     main_end = layout.both_quantized_end(k_store.axis, v_store.axis, length, residual)
-    k_win, v_win, held, in_ring = ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks)
+    k_win, v_win, held, in_ring = ring_window(k_store, v_store, layer, k_ring, v_ring, length, main_end, num_sinks,
+                                              lazy=True)
     tokens_first = lambda a: jnp.swapaxes(a.astype(jnp.float32), 1, 2)  # noqa: E731  [batch, tokens, kv_heads, D]
     keys, values, pos, ok = [tokens_first(k_win)], [tokens_first(v_win)], [held], [in_ring]
     if num_sinks:

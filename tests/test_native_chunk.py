@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kivi_jax
-from kivi_jax import attention, native, runtime
+from kivi_jax import attention, layout, native, runtime
 from kivi_jax.cache import QuantStore, make_cache
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import cast_params, init_params
@@ -153,7 +153,27 @@ STORE_CASES = [  # k_bits, v_bits, k_group, v_group, head_dim, residual, lengths
     (4, 2, 64, 16, 128, 64, (517, 0), (70, 70), 200, 0, jnp.bfloat16),  # an empty sequence, a window, head_dim 128
     (2, 4, 32, 32, 32, 32, (100, 257), (33, 1), None, 4, jnp.float32),  # 2-bit rows of 8 bytes a slab; sinks
     (8, 8, 32, 64, 64, 32, (64, 191), (17, 50), 60, 0, jnp.float16),  # 8-bit codes, a window inside the store
+    (2, 2, 32, 32, 64, 64, (27, 5), (46, 30), None, 0, jnp.float16),  # prefixes in the ring, nothing quantized yet
 ]
+
+
+def test_a_lazy_ring_window_reads_the_flushed_block_only_when_a_written_slot_needs_it():
+    """`attention.window_tensor(..., lazy=True)` (a chunk's one call) equals the eager one at every written ring slot,
+    and where no written slot's token is quantized it is the ring itself: the flushed block is not read."""
+    rng = np.random.default_rng(11)
+    residual, heads, head_dim, max_tokens = 32, 2, 64, 256
+    for lengths in ((0, 1, 27, residual - 1), (0, residual, residual + 5, 3 * residual + 7)):
+        length = jnp.asarray(lengths, jnp.int32)
+        store = random_store(rng, (len(lengths), heads), max_tokens, head_dim, 2, 32, "channel", jnp.float16)
+        ring = jnp.asarray(rng.standard_normal((len(lengths), heads, residual, head_dim)), jnp.float32)
+        held = layout.ring_tokens(length, residual)
+        eager = np.asarray(attention.window_tensor(store, None, ring, held, length))
+        lazy = np.asarray(jax.jit(lambda r: attention.window_tensor(store, None, r, held, length, lazy=True))(ring))
+        written = np.broadcast_to(np.asarray(held >= 0)[:, None, :, None], eager.shape)
+        np.testing.assert_array_equal(lazy[written], eager[written])
+        flushed = max(lengths) >= residual
+        assert np.array_equal(lazy, np.asarray(ring)) != flushed  # the block read exactly when some token is in it
+        assert not np.array_equal(eager, np.asarray(ring))  # (the eager one reads it for never-written slots too)
 
 
 def dots_served(dot_dtype) -> bool:
