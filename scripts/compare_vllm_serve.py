@@ -16,7 +16,9 @@ space, kivi-jax's `--cache-budget`); every workload runs `--runs` times on each 
 default (`--order interleaved`) all the servers are started first and each run of a workload goes round them, the
 order reversed every other run (A B, B A, ...), so that two servers' runs of one workload are minutes apart, not a
 server's whole session (this VM's speed drifts by up to 1.4x within ten minutes); the others sit idle meanwhile, and
-the CPU seconds they took during a run are reported with it (`others_cpu_s`). `--order sequential` runs one server
+the CPU seconds they took during a run are reported with it (`others_cpu_s`). A run starts once the others are quiet
+(`settle`: at most 0.05 CPU seconds in half a second, 30 s at most; the wait is `settle_s`): vLLM went on using a
+core for about a second after its runs, inside the next server's run (2026-12-07, runs 61-63). `--order sequential` runs one server
 at a time (one in memory at once), as before 2026-12-07. A workload is a number of concurrent
 streaming chat clients, one request each, greedy, with prompts of given token lengths (made from the prose every
 Python ships, `kivi_jax.evaluate.default_text`; each run other stretches of it) and a number of new tokens; the
@@ -131,6 +133,26 @@ def scrape(http, url: str, names: tuple[str, ...]) -> float | None:
         if name.split("{", 1)[0] in names:
             total = (total or 0.0) + float(value)
     return total
+
+
+SETTLE_QUIET_S = 0.05  # CPU seconds the servers not under test may take in SETTLE_WINDOW_S for a run to start
+SETTLE_WINDOW_S = 0.5
+SETTLE_TIMEOUT_S = 30.0
+
+
+def settle(pids: list[int], cpu=None, sleep=time.sleep, clock=time.monotonic, quiet: float = SETTLE_QUIET_S,
+           window: float = SETTLE_WINDOW_S, timeout: float = SETTLE_TIMEOUT_S) -> float:
+    """Waits until the servers of sessions `pids` together take at most `quiet` CPU seconds (`cpu(pid)`, default
+    `cpu_seconds`) in `window` seconds, or `timeout` seconds have passed; returns the seconds waited."""
+    cpu = cpu or cpu_seconds
+    t0 = clock()
+    while pids:
+        before = [cpu(pid) for pid in pids]
+        sleep(window)
+        after = [cpu(pid) for pid in pids]
+        if None in before + after or sum(b - a for a, b in zip(before, after)) <= quiet or clock() - t0 >= timeout:
+            break
+    return round(clock() - t0, 2)
 
 
 ORDERS = ("interleaved", "sequential")
@@ -334,11 +356,13 @@ def main(argv=None) -> int:
             for run, w, name in session:
                 clients, _, new = workloads[w]
                 others = [p.pid for n, p in procs.items() if n != name]
+                settled = settle(others)
                 before = [cpu_seconds(pid) for pid in others]
                 r = run_workload(urls[name], prompts[w][run], new, args.ignore_eos)
                 after = [cpu_seconds(pid) for pid in others]
                 r["others_cpu_s"] = (round(sum(b - a for a, b in zip(before, after)), 2)
                                      if others and None not in before + after else None)
+                r["settle_s"] = settled
                 rows.append({"workload": w, "server": name, "run": run, "clients": clients, **r})
                 log(f"{w} {name} run {run}: {json.dumps(r)}")
             if args.check:

@@ -134,6 +134,37 @@ def test_cpu_seconds_counts_a_sessions_processes():
     assert cmp.cpu_seconds(2**22 + 12345) is None  # no process of that session
 
 
+def test_a_run_waits_for_the_other_servers_to_go_quiet():
+    """`settle` returns once the servers not under test took at most 0.05 CPU seconds in a window (here the third:
+    the first two were busy), at its timeout if they never go quiet, at once with no other server or no /proc."""
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    def cpu_of(steps):  # each window's CPU seconds for a session, one step a window
+        used = {}
+
+        def cpu(pid):
+            used.setdefault(pid, [0.0, 0])
+            return used[pid][0]
+
+        def sleep_and_use(s):
+            sleep(s)
+            for u in used.values():
+                u[0] += steps[min(u[1], len(steps) - 1)]
+                u[1] += 1
+        return cpu, sleep_and_use
+
+    cpu, step = cpu_of([0.6, 0.3, 0.01])
+    assert cmp.settle([7], cpu=cpu, sleep=step, clock=lambda: now[0]) == 1.5  # three half-second windows
+    now[0] = 0.0
+    cpu, step = cpu_of([0.5])
+    assert cmp.settle([7, 8], cpu=cpu, sleep=step, clock=lambda: now[0], timeout=3.0) == 3.0  # never quiet
+    assert cmp.settle([], cpu=cpu, sleep=step, clock=lambda: now[0]) == 0.0
+    assert cmp.settle([7], cpu=lambda pid: None, sleep=sleep, clock=lambda: 0.0) == 0.0
+
+
 def test_a_streamed_answer_reports_the_prompt_tokens_the_server_counted():
     """`stream_one` keeps the server's own prompt count (its usage), which the comparison sums a run to show both
     servers prefilled the same tokens; a server that sends no usage gives None, not a zero."""
