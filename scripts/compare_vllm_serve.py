@@ -18,8 +18,8 @@ order reversed every other run (A B, B A, ...), so that two servers' runs of one
 server's whole session (this VM's speed drifts by up to 1.4x within ten minutes); the others sit idle meanwhile, and
 the CPU seconds they took during a run are reported with it (`others_cpu_s`). A run starts once the others are quiet
 (`settle`: at most 0.05 CPU seconds in half a second, 30 s at most; the wait is `settle_s`): vLLM went on using a
-core for about a second after its runs, inside the next server's run (2026-12-07, runs 61-63). `--order sequential` runs one server
-at a time (one in memory at once), as before 2026-12-07. A workload is a number of concurrent
+core for about a second after its runs, inside the next server's run (2026-12-07, runs 61-63). `--order sequential`
+runs one server at a time (one in memory at once), as before 2026-12-07. A workload is a number of concurrent
 streaming chat clients, one request each, greedy, with prompts of given token lengths (made from the prose every
 Python ships, `kivi_jax.evaluate.default_text`; each run other stretches of it) and a number of new tokens; the
 report gives output tokens/s, time to first token (p50, p99), the gap between streamed tokens, the most requests
