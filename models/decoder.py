@@ -326,7 +326,6 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
     else:
         pack = unpack = lambda a: a  # noqa: E731
     rope = Rotary(rope_inv_freq(cfg))
-    q_positions = pack(row_positions)  # [batch, T] ([1, P] packed): the queries' positions as the layers see them
     options, kinds = attention_kinds(cfg)
     q_scale = cfg.query_scale
     # a chunk's queries in bfloat16 where the matmuls dot in bfloat16: its attention dots so too (attention.Rows)
@@ -340,12 +339,12 @@ def decode(params: Params, tokens: jax.Array, cache: KVCache | None, num_new: ja
         lp = weights.join_layer(lp, whole, layer)
 
         def attend(q, k, v):
-            q = rope(q, q_positions)  # packed: on the packed rows only, unpacked after
+            q, k, v = unpack(q), unpack(k), unpack(v)
+            q = rope(q, row_positions)
             if q_scale != 1.0:
                 q = q * jnp.asarray(q_scale, q.dtype)
             if chunk_queries is not None:
                 q = q.astype(chunk_queries)
-            q, k, v = unpack(q), unpack(k), unpack(v)
             q, k, v = to_held(q), to_held(k), to_held(v)
             branches = [functools.partial(seen.attend, layer, q, k, v, positions, rope, to_cache, window,
                                           softcap=cap) for window, cap in options]
