@@ -205,7 +205,9 @@ void pack(Segment& a, int64_t bh) {
   uint16_t* kp = a.kp + bh * a.packed();
   uint16_t* vt = a.vt + bh * a.packed();
   std::vector<float> buf(2 * D);
+  const uint64_t* ok = &a.ok_bits[bh / a.H * a.steps];
   for (int64_t t = 0; t < blocks * 32; ++t) {
+    if (!ok[t / KEYS]) continue;  // a step none of whose keys is ok is never read (run_item skips it)
     const float *kr, *vr;
     a.rows_at(bh, t, buf.data(), buf.data() + D, kr, vr);
     const int64_t j = t / 32, n = t % 32;
@@ -480,6 +482,23 @@ inline void softmax_rows(const Segment& a, Item& it, int64_t g, int64_t nr, uint
 }
 #endif
 
+#if defined(__AVX512F__)
+// The item's accumulator rows r0 + [0, nr) of (b, h) transposed into acc^T (zeros past nr, or all when fresh), 16
+// rows by 16 channels at a time in registers.
+void acc_rows_in(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int64_t nr) {
+  const int64_t D = a.D;
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t c = 0; c < D / 16; ++c) {
+      __m512i r[16];  // r[n]: row 16 g + n's channels 16 c..; transposed, r[dd]: channel 16 c + dd of the rows
+      for (int64_t n = 0; n < 16; ++n)
+        r[n] = 16 * g + n < nr && !a.fresh ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
+                                           : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
+    }
+}
+#endif
+
 // The item's rows r0 + [0, nr) of (b, h) into its working set: their queries scaled and rounded to bfloat16
 // (row-major for the scalar dots, B tiles for AMX; zero past nr), or with f32 transposed in float32, and their
 // accumulators transposed.
@@ -503,20 +522,13 @@ void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int
         for (int64_t kk = 0; kk < 16; ++kk)
           _mm512_storeu_si512(it.qt.data() + (g * (D / 32) + c) * TILE + kk * 32, r[kk]);
       }
-      for (int64_t c = 0; c < D / 16; ++c) {
-        __m512i r[16];  // r[n]: row 16 g + n's channels 16 c..; transposed, r[dd]: channel 16 c + dd of the rows
-        for (int64_t n = 0; n < 16; ++n)
-          r[n] = 16 * g + n < nr && !a.fresh ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
-                                             : _mm512_setzero_si512();
-        transpose16(r);
-        for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
-      }
     }
+    acc_rows_in(a, it, b, h, r0, nr);
 #endif
     return;
   }
 #if defined(__AVX512F__)
-  if (a.f32) {  // Q^T and acc^T, 16 rows by 16 channels at a time transposed in registers
+  if (a.f32) {  // Q^T, 16 rows by 16 channels at a time transposed in registers
     const __m512 scale = _mm512_set1_ps(a.scale);
     for (int64_t g = 0; g < 2; ++g)
       for (int64_t c = 0; c < D / 16; ++c) {
@@ -533,12 +545,8 @@ void load_rows(const Segment& a, Item& it, int64_t b, int64_t h, int64_t r0, int
         }
         transpose16(r);
         for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.qtf[(16 * c + dd) * ROWS + 16 * g], r[dd]);
-        for (int64_t n = 0; n < 16; ++n)
-          r[n] = 16 * g + n < nr && !a.fresh ? _mm512_loadu_si512(a.acc + a.row(b, h, r0 + 16 * g + n) * D + 16 * c)
-                                             : _mm512_setzero_si512();
-        transpose16(r);
-        for (int64_t dd = 0; dd < 16; ++dd) _mm512_storeu_si512(&it.acct[(16 * c + dd) * ROWS + 16 * g], r[dd]);
       }
+    acc_rows_in(a, it, b, h, r0, nr);
     return;
   }
 #endif
@@ -766,10 +774,7 @@ ffi::Error ChunkAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<f
   a.lo.assign(a.B * a.steps, 0);
   a.hi.assign(a.B * a.steps, 0);
   for (int64_t b = 0; b < a.B; ++b) key_steps(a, b);
-  parallel_for(pool, a.B * a.H, [&](int64_t bh) {  // a sequence none of whose keys is ok needs none packed
-    const uint64_t* bits = &a.ok_bits[bh / a.H * a.steps];
-    if (std::any_of(bits, bits + a.steps, [](uint64_t x) { return x != 0; })) a.f32 ? pack_f32(a, bh) : pack(a, bh);
-  });
+  parallel_for(pool, a.B * a.H, [&](int64_t bh) { a.f32 ? pack_f32(a, bh) : pack(a, bh); });  // ok steps only
   const int64_t tiles = (a.R + ROWS - 1) / ROWS;
   parallel_for(pool, a.B * a.H * tiles, [&](int64_t i) {
     const int64_t bh = i / tiles;
