@@ -67,3 +67,62 @@ def test_the_server_command_sets_the_policy_once_its_model_is_loaded(tiny_dirs, 
                                       "--slots", "2", "--max-length", "64", "--no-warmup"])
     server = serve_cli.server_from_args(args, progress=False)
     assert calls == ["kept"] and server.scheduler.engine.live_slots() == []
+
+
+def test_the_collector_leaves_what_lives_at_the_start_alone():
+    """`frozen_heap`: garbage at its start is collected, not frozen; what lives is frozen until its end; what becomes
+    garbage within it is collected as usual."""
+    import gc
+    import weakref
+
+    from kivi_jax import allocator
+
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.me = garbage  # a cycle: only the collector frees it
+    dead = weakref.ref(garbage)
+    del garbage
+    alive = Node()
+    alive.me = alive
+    before = gc.get_freeze_count()
+    with allocator.frozen_heap():
+        assert dead() is None
+        inside = gc.get_freeze_count()
+        assert inside > before
+        late = Node()
+        late.me = late
+        late_dead = weakref.ref(late)
+        del late
+        gc.collect()
+        assert late_dead() is None
+        assert gc.get_freeze_count() == inside  # a collection within it frees nothing frozen nor thaws it
+    assert gc.get_freeze_count() == before
+    assert alive.me is alive
+
+
+def test_the_server_command_serves_with_the_loaded_heap_frozen(tiny_dirs, monkeypatch, capsys):
+    """`serve` runs its HTTP server inside `frozen_heap` (here a stand-in that records the freeze when it runs)."""
+    import gc
+
+    from kivi_jax.cli import build_parser
+    from kivi_jax.serve import cli as serve_cli
+    from kivi_jax.serve import http
+
+    seen = []
+
+    class Uvicorn:
+        def run(self, sockets):
+            seen.append(gc.get_freeze_count())
+            for s in sockets:
+                s.close()
+
+    monkeypatch.setattr(http, "make_uvicorn", lambda *a, **k: Uvicorn())
+    before = gc.get_freeze_count()
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama_mha"][0]), "--cache", "k2v2-g8-r16",
+                                      "--slots", "2", "--max-length", "64", "--no-warmup", "--host", "127.0.0.1",
+                                      "--port", "0"])
+    assert serve_cli.cmd_serve(args) == 0
+    assert len(seen) == 1 and seen[0] > before
+    assert gc.get_freeze_count() == before

@@ -179,5 +179,8 @@ def cmd_serve(args) -> int:
     host, port = sock.getsockname()[:2]
     uv = make_uvicorn(server.app, host, port, log_level="info")
     print(f"listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1", file=sys.stderr, flush=True)
-    uv.run(sockets=[sock])  # SIGTERM or Ctrl-C: drains (docs/serving.md), then exits as that signal asks
+    from kivi_jax import allocator
+
+    with allocator.frozen_heap():  # the collector leaves the loaded model and compiled programs alone while serving
+        uv.run(sockets=[sock])  # SIGTERM or Ctrl-C: drains (docs/serving.md), then exits as that signal asks
     return 0

@@ -252,7 +252,7 @@ def add_serve_bench(sub) -> None:
 
 
 def cmd_bench_serve(args) -> int:
-    from kivi_jax import bench
+    from kivi_jax import allocator, bench
     from kivi_jax.cli_args import spec_list
     from kivi_jax.serve.cli import server_from_args
     from kivi_jax.serve.server import check_serve_extra
@@ -283,7 +283,7 @@ def cmd_bench_serve(args) -> int:
             _log(server.describe())
             name = server.engine.spec_name + (" paged" if layout == "paged" else "")
             servers[name] = {"capacity": server.capacity, "slots": server.engine.num_slots}
-            with ServerThread(server.app) as thread:
+            with ServerThread(server.app) as thread, allocator.frozen_heap():  # as `serve` runs
                 rows += bench_server(thread.url, model_name, args, server.engine, label=name)
             del server
         out["servers"] = servers
