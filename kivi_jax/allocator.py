@@ -10,9 +10,9 @@ keeps the most heap it ever used (freed memory is not returned to the system).
 
 Loading the model and compiling the server's programs leave about 1.2 million Python objects (traced programs and
 their caches) that live as long as the process. A full collection of Python's cycle collector walks all of them:
-about 0.9 s on the 2-core VM, with the GIL held, so the scheduler and every stream stop meanwhile; it ran every 10-30 s during
-warm-up (docs/serving.md, "The collector's pause"). `frozen_heap` collects once and freezes what is left (`gc.freeze`,
-as vLLM does once it has started), so that later collections walk only the objects made while serving.
+about 0.9 s on the 2-core VM, with the GIL held, so the scheduler and every stream stop meanwhile; it ran every 10-30
+s during warm-up (docs/serving.md, "The collector's pause"). `frozen_heap` collects once and freezes what is left
+(`gc.freeze`, as vLLM does once it has started), so that later collections walk only the objects made while serving.
 """
 
 from __future__ import annotations
