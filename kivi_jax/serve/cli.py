@@ -172,15 +172,15 @@ def cmd_serve(args) -> int:
     server = server_from_args(args, args.served_model_name,
                               before_load=lambda: sockets.append(listen_socket(args.host, args.port)), warmup=True)
     sock = sockets[0]
+    from kivi_jax import allocator
     from kivi_jax.serve.http import make_uvicorn
 
     print(f"kivi-jax serve: model {server.model_name!r}; {server.describe()}", file=sys.stderr, flush=True)
     print(json.dumps({"capacity": server.capacity}), file=sys.stderr)
     host, port = sock.getsockname()[:2]
     uv = make_uvicorn(server.app, host, port, log_level="info")
-    print(f"listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1", file=sys.stderr, flush=True)
-    from kivi_jax import allocator
-
     with allocator.frozen_heap():  # the collector leaves the loaded model and compiled programs alone while serving
+        print(f"listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1", file=sys.stderr,
+              flush=True)  # once the heap is frozen: that first collection takes about a second
         uv.run(sockets=[sock])  # SIGTERM or Ctrl-C: drains (docs/serving.md), then exits as that signal asks
     return 0
