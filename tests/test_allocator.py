@@ -40,6 +40,14 @@ def rounds(env_extra: dict | None = None) -> tuple[bool, list[int], list[int]]:
     return kept == "True", [int(f) for f in faults[:3]], [int(f) for f in faults[3:]]
 
 
+def serve_args(tiny_dirs, *extra):
+    """`serve`'s parsed flags for a tiny model with two small slots and no warm-up, plus `extra`."""
+    from kivi_jax.cli import build_parser
+
+    return build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama_mha"][0]), "--cache", "k2v2-g8-r16",
+                                      "--slots", "2", "--max-length", "64", "--no-warmup", *extra])
+
+
 def test_freed_blocks_are_reused_once_kept():
     kept, before, after = rounds()
     pages = (64 << 20) // 4096
@@ -58,14 +66,11 @@ def test_the_server_command_sets_the_policy_once_its_model_is_loaded(tiny_dirs, 
     """`serve` and `bench serve` build their server through `server_from_args`, which sets the policy (here only
     recorded: the policy holds for the whole process)."""
     from kivi_jax import allocator
-    from kivi_jax.cli import build_parser
     from kivi_jax.serve import cli as serve_cli
 
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("kept") or True)
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama_mha"][0]), "--cache", "k2v2-g8-r16",
-                                      "--slots", "2", "--max-length", "64", "--no-warmup"])
-    server = serve_cli.server_from_args(args, progress=False)
+    server = serve_cli.server_from_args(serve_args(tiny_dirs), progress=False)
     assert calls == ["kept"] and server.scheduler.engine.live_slots() == []
 
 
@@ -102,11 +107,10 @@ def test_the_collector_leaves_what_lives_at_the_start_alone():
     assert alive.me is alive
 
 
-def test_the_server_command_serves_with_the_loaded_heap_frozen(tiny_dirs, monkeypatch, capsys):
+def test_the_server_command_serves_with_the_loaded_heap_frozen(tiny_dirs, monkeypatch):
     """`serve` runs its HTTP server inside `frozen_heap` (here a stand-in that records the freeze when it runs)."""
     import gc
 
-    from kivi_jax.cli import build_parser
     from kivi_jax.serve import cli as serve_cli
     from kivi_jax.serve import http
 
@@ -120,9 +124,6 @@ def test_the_server_command_serves_with_the_loaded_heap_frozen(tiny_dirs, monkey
 
     monkeypatch.setattr(http, "make_uvicorn", lambda *a, **k: Uvicorn())
     before = gc.get_freeze_count()
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama_mha"][0]), "--cache", "k2v2-g8-r16",
-                                      "--slots", "2", "--max-length", "64", "--no-warmup", "--host", "127.0.0.1",
-                                      "--port", "0"])
-    assert serve_cli.cmd_serve(args) == 0
+    assert serve_cli.cmd_serve(serve_args(tiny_dirs, "--host", "127.0.0.1", "--port", "0")) == 0
     assert len(seen) == 1 and seen[0] > before
     assert gc.get_freeze_count() == before
